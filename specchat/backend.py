@@ -1,0 +1,345 @@
+"""Models behind one small protocol: evaluate tokens, get logits only where asked, roll the KV cache back.
+
+`LlamaCppBackend` drives llama.cpp's batch API directly through llama-cpp-python's ctypes layer: the
+high-level `Llama.eval` either keeps logits for one position or (with `logits_all`) copies an
+n_ctx x n_vocab array for every token, and speculative verification needs k+1 rows and nothing more.
+`Llama` is still used to load the model and for the tokenizer and metadata.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+
+
+class BackendError(Exception):
+    """A model could not be loaded or evaluated; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """What llama.cpp's draft/target compatibility rule compares."""
+
+    vocab_type: int
+    n_vocab: int
+    bos: int
+    eos: int
+    add_bos: bool
+    add_eos: bool
+    token_text: object = field(repr=False, compare=False)  # Callable[[int], bytes]
+
+
+class Backend(Protocol):
+    n_vocab: int
+    n_ctx: int
+    tokens: list[int]  # what the KV cache holds, in order
+    evaluated: int  # tokens evaluated since load (tests count KV reuse with it)
+    rollback_recoveries: int
+    name: str
+
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int]) -> np.ndarray:
+        """Append `tokens` to the cache; return float32 rows (len(logits_at), n_vocab), one per index
+        into `tokens` named in logits_at."""
+
+    def truncate(self, n_keep: int) -> None:
+        """Keep only the first n_keep cached tokens."""
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation id (EOS, EOT, <|im_end|>...), for --ignore-eos."""
+        if not hasattr(self, "_eog_ids"):
+            self._eog_ids = tuple(t for t in range(self.n_vocab) if self._lib.llama_vocab_is_eog(self._vocab_p, t))
+        return self._eog_ids
+
+    def is_eog(self, token: int) -> bool: ...
+
+    @property
+    def vocab(self) -> VocabInfo: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+
+def sync(backend: Backend, tokens: Sequence[int], logits_last: bool) -> np.ndarray | None:
+    """Make the cache hold exactly `tokens`, evaluating only what differs from what it holds already
+    (the KV reuse that makes a chat turn cost only its new tokens). With logits_last, return the logits
+    row after the last token, re-evaluating that token if it was already cached."""
+    cached = backend.tokens
+    common = 0
+    limit = min(len(cached), len(tokens))
+    while common < limit and cached[common] == tokens[common]:
+        common += 1
+    if logits_last and common == len(tokens) and common > 0:
+        common -= 1  # llama.cpp keeps no logits for old positions: evaluate the last token again
+    backend.truncate(common)
+    rest = list(tokens[common:])
+    if not rest:
+        return None
+    rows = backend.eval(rest, [len(rest) - 1] if logits_last else [])
+    return rows[0] if logits_last else None
+
+
+def check_gguf_file(path: Path) -> None:
+    """Fail with a clear message before llama.cpp sees a file it would reject with a generic error."""
+    if not path.exists():
+        raise BackendError(f"model file not found: {path}")
+    if path.is_dir():
+        raise BackendError(f"model path is a directory, not a GGUF file: {path}")
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise BackendError(f"cannot read model file {path}: {e.strerror}") from None
+    if head[:4] != GGUF_MAGIC:
+        raise BackendError(f"not a GGUF file (no GGUF header): {path}")
+    if len(head) < 8:
+        raise BackendError(f"GGUF file is truncated: {path}")
+
+
+def default_gpu_layers() -> int:
+    """All layers on the GPU when this build of llama.cpp can offload, else none (like LM Studio)."""
+    import llama_cpp
+
+    return -1 if llama_cpp.llama_supports_gpu_offload() else 0
+
+
+class LlamaCppBackend:
+    """One GGUF model and its context, evaluated through llama_decode with our own batch."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        n_ctx: int = 4096,
+        n_gpu_layers: int | None = None,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        swa_full: bool = False,
+        name: str | None = None,
+    ):
+        import llama_cpp
+
+        self._lib = llama_cpp
+        path = Path(path)
+        check_gguf_file(path)
+        if n_gpu_layers is None:
+            n_gpu_layers = default_gpu_layers()
+        self.path = path
+        self.name = name or path.name
+        started = time.perf_counter()
+        try:
+            self.llm = llama_cpp.Llama(
+                str(path),
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_ubatch=n_batch,
+                n_gpu_layers=n_gpu_layers,
+                n_threads=n_threads,
+                n_threads_batch=n_threads,
+                swa_full=swa_full,
+                logits_all=False,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError, OSError) as e:
+            size = path.stat().st_size
+            raise BackendError(
+                f"llama.cpp could not load {path} ({size / 2**20:.1f} MiB): the file is truncated, corrupt, "
+                f"or of an architecture this llama.cpp does not know ({str(e).splitlines()[0]})"
+            ) from None
+        self.load_seconds = time.perf_counter() - started
+        self.n_ctx = llama_cpp.llama_n_ctx(self.llm.ctx)
+        self.n_batch = n_batch
+        self.n_threads = self.llm.n_threads
+        self.n_gpu_layers = n_gpu_layers
+        self._model = self.llm.model
+        self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
+        self.n_swa = 0 if swa_full else llama_cpp.llama_model_n_swa(self._model)
+        self._mem = llama_cpp.llama_get_memory(self.llm.ctx)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        for j in range(n_batch):  # every token of ours is in sequence 0
+            self._batch.n_seq_id[j] = 1
+            self._batch.seq_id[j][0] = 0
+        self.tokens: list[int] = []
+        self.evaluated = 0
+        self.rollback_recoveries = 0
+        self._piece_cache: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # -- evaluation --------------------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int]) -> np.ndarray:
+        lib = self._lib
+        n = len(tokens)
+        if len(self.tokens) + n > self.n_ctx:
+            raise BackendError(
+                f"context full: {len(self.tokens)} + {n} tokens > -c {self.n_ctx}; raise -c or shorten the prompt"
+            )
+        rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
+        want = np.zeros(n, dtype=np.int8)
+        want[list(logits_at)] = 1
+        row_of = {i: r for r, i in enumerate(logits_at)}
+        ids = np.asarray(tokens, dtype=np.int32)
+        pos = np.arange(len(self.tokens), len(self.tokens) + n, dtype=np.int32)
+        b = self._batch
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            ctypes.memmove(b.token, ids[start:].ctypes.data, 4 * m)
+            ctypes.memmove(b.pos, pos[start:].ctypes.data, 4 * m)
+            ctypes.memmove(b.logits, want[start:].ctypes.data, m)
+            b.n_tokens = m
+            # `tokens` is extended first: a Ctrl-C lands between bytecodes, after llama_decode returned,
+            # so the list always covers what the cache holds and a later truncate can clean up
+            n_before = len(self.tokens)
+            self.tokens.extend(tokens[start : start + m])
+            rc = lib.llama_decode(self.llm.ctx, b)
+            if rc != 0:
+                lib.llama_memory_seq_rm(self._mem, 0, n_before, -1)
+                del self.tokens[n_before:]
+                raise BackendError(f"llama_decode failed with code {rc} ({self.name})")
+            self.evaluated += m
+            for j in np.flatnonzero(want[start : start + m]):
+                ptr = lib.llama_get_logits_ith(self.llm.ctx, int(j))
+                rows[row_of[start + int(j)]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return rows
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep >= len(self.tokens):
+            return
+        lib = self._lib
+        ok = lib.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
+        if ok and self.n_swa > 0 and n_keep > 0:
+            # Sliding-window layers recycle cells that fell out of the window. Rolling back past them
+            # leaves the next query without keys it needs; llama.cpp's server checks the same bound.
+            pos_min = lib.llama_memory_seq_pos_min(self._mem, 0)
+            ok = 0 <= pos_min <= max(0, n_keep - self.n_swa)
+        if ok:
+            del self.tokens[n_keep:]
+            return
+        # The cache no longer matches a prefix of our token list: rebuild it from scratch.
+        self.rollback_recoveries += 1
+        keep = self.tokens[:n_keep]
+        lib.llama_memory_clear(self._mem, True)
+        self.tokens = []
+        if keep:
+            self.eval(keep, [])
+
+    # -- vocabulary --------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token contributes to the text (special tokens render as nothing)."""
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            n = self._lib.llama_token_to_piece(self._vocab_p, token, self._piece_buf, len(self._piece_buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._lib.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, False)
+                piece = buf.raw[:n]
+            else:
+                piece = self._piece_buf.raw[:n]
+            self._piece_cache[token] = piece
+        return piece
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation id (EOS, EOT, <|im_end|>...), for --ignore-eos."""
+        if not hasattr(self, "_eog_ids"):
+            self._eog_ids = tuple(t for t in range(self.n_vocab) if self._lib.llama_vocab_is_eog(self._vocab_p, t))
+        return self._eog_ids
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self._vocab_p, token))
+
+    @property
+    def vocab(self) -> VocabInfo:
+        lib, v = self._lib, self._vocab_p
+        return VocabInfo(
+            vocab_type=lib.llama_vocab_type(v),
+            n_vocab=self.n_vocab,
+            bos=lib.llama_vocab_bos(v),
+            eos=lib.llama_vocab_eos(v),
+            add_bos=bool(lib.llama_vocab_get_add_bos(v)),
+            add_eos=bool(lib.llama_vocab_get_add_eos(v)),
+            token_text=lambda t: lib.llama_vocab_get_text(v, t) or b"",
+        )
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.llm.metadata)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.llm.metadata.get("tokenizer.chat_template")
+
+    @property
+    def bos_text(self) -> str:
+        v = self.vocab
+        return v.token_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else ""
+
+    @property
+    def eos_text(self) -> str:
+        v = self.vocab
+        return v.token_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else ""
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._lib.llama_batch_free(self._batch)
+            self._batch = None
+        self.llm.close()
+
+
+def check_compatible(target: VocabInfo, draft: VocabInfo) -> str | None:
+    """llama.cpp's rule for a draft model (common/speculative.cpp): None if compatible, else which check
+    failed, in words a user can act on."""
+    if target.vocab_type != draft.vocab_type:
+        return f"tokenizer types differ (target {target.vocab_type}, draft {draft.vocab_type})"
+    if target.add_bos != draft.add_bos or (target.add_bos and target.bos != draft.bos):
+        return f"BOS tokens differ (target {target.bos} add={target.add_bos}, draft {draft.bos} add={draft.add_bos})"
+    if target.add_eos != draft.add_eos or target.eos != draft.eos:
+        return f"EOS tokens differ (target {target.eos}, draft {draft.eos})"
+    if abs(target.n_vocab - draft.n_vocab) > 128:
+        return f"vocabulary sizes differ by more than 128 (target {target.n_vocab}, draft {draft.n_vocab})"
+    for t in range(5, min(target.n_vocab, draft.n_vocab)):
+        a, b = target.token_text(t), draft.token_text(t)
+        if a != b:
+            return f"token {t} differs (target {a!r}, draft {b!r})"
+    return None
+
+
+def read_vocab(path: str | os.PathLike) -> VocabInfo:
+    """The vocabulary of a GGUF file without loading its weights (for `specchat models`)."""
+    import llama_cpp
+
+    path = Path(path)
+    check_gguf_file(path)
+    try:
+        llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    except (ValueError, RuntimeError, OSError):
+        raise BackendError(f"llama.cpp could not read the vocabulary of {path}") from None
+    lib, v = llama_cpp, llama_cpp.llama_model_get_vocab(llm.model)
+    texts = [lib.llama_vocab_get_text(v, t) or b"" for t in range(lib.llama_vocab_n_tokens(v))]
+    info = VocabInfo(
+        vocab_type=lib.llama_vocab_type(v),
+        n_vocab=len(texts),
+        bos=lib.llama_vocab_bos(v),
+        eos=lib.llama_vocab_eos(v),
+        add_bos=bool(lib.llama_vocab_get_add_bos(v)),
+        add_eos=bool(lib.llama_vocab_get_add_eos(v)),
+        token_text=texts.__getitem__,
+    )
+    llm.close()
+    return info

@@ -1,0 +1,216 @@
+"""specchat's command line. Each command parses its options, builds the pieces, and hands off: the
+engine generates, the view shows, the report aggregates. Nothing here touches a model directly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Annotated
+
+import click
+import typer
+from rich.console import Console
+
+from . import options as opt
+from . import ui
+from .backend import BackendError
+from .config import load_config
+from .engine import Finished, TokenEvent, generate
+from .loader import Loaded
+from .policy import make_policy
+from .runner import USER_ERRORS, RunOptions, UserError, loading, read_prompt, run_options
+
+app = typer.Typer(
+    name="specchat",
+    help="Local speculative chat: a small draft proposes, a large target verifies, you see which tokens were accepted.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.command()
+def prompt(
+    text: Annotated[str, typer.Argument(help="Prompt text, or - to read it from stdin.", show_default=False)],
+    target: opt.Target = None,
+    draft: opt.Draft = None,
+    pair: opt.Pair = None,
+    system: Annotated[str | None, typer.Option("--system", help="System message (chat-template models).", rich_help_panel=opt.MODELS)] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the text as is, without the model's chat template.", rich_help_panel=opt.MODELS)] = False,
+    no_spec: opt.NoSpec = False,
+    max_tokens: opt.MaxTokens = 256,
+    temp: opt.Temp = 0.8,
+    top_k: opt.TopK = 40,
+    top_p: opt.TopP = 0.95,
+    min_p: opt.MinP = 0.05,
+    repeat_penalty: opt.RepeatPenalty = 1.0,
+    repeat_last_n: opt.RepeatLastN = 64,
+    frequency_penalty: opt.FrequencyPenalty = 0.0,
+    presence_penalty: opt.PresencePenalty = 0.0,
+    seed: opt.Seed = None,
+    stop: opt.Stop = None,
+    draft_max: opt.DraftMax = None,
+    draft_min: opt.DraftMin = 0,
+    draft_p_min: opt.DraftPMin = 0.75,
+    draft_fixed: opt.DraftFixed = None,
+    lookup_min: opt.LookupMin = 1,
+    lookup_max: opt.LookupMax = 4,
+    ctx_size: opt.Ctx = 4096,
+    ngl: opt.Ngl = None,
+    ngld: opt.Ngld = None,
+    threads: opt.Threads = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, prompt_token_ids, stats.", rich_help_panel=opt.OUTPUT)] = False,
+    show_stats: Annotated[bool, typer.Option("--stats", help="Print a speculation summary to stderr at the end.", rich_help_panel=opt.OUTPUT)] = False,
+    no_color: opt.NoColor = False,
+) -> None:
+    """Generate one reply to TEXT and exit.
+
+    Uses the model's chat template when it has one (SmolLM2-Instruct does), else completes the raw text.
+    Without -m/--pair it runs the `default` pair: SmolLM2-135M-Instruct with prompt lookup.
+    """
+    config = load_config()
+    run = run_options(
+        config, target=target, draft=draft, pair=pair, no_spec=no_spec, max_tokens=max_tokens, temp=temp,
+        top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
+        draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
+        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads,
+    )
+    text = read_prompt(text)
+    err = ui.make_console(stderr=True, no_color=no_color)  # no_color=False still honours NO_COLOR
+    with loading(config, run, err) as loaded:
+        from .template import render
+
+        if raw or not loaded.target.chat_template:
+            prompt_ids = loaded.target.tokenize(text, add_special=True)
+            stops = list(stop or [])
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            rendered = render(loaded.target, messages)
+            prompt_ids, stops = rendered.token_ids, rendered.stop + list(stop or [])
+        events = generate(
+            loaded.target, loaded.drafter, prompt_ids, run.params, max_tokens=run.max_tokens, stop=stops,
+            policy=make_policy(loaded, run.draft_max, run.draft_fixed),
+        )
+        if as_json:
+            finished = print_json(events, loaded, run)
+            if show_stats and finished is not None:
+                err.print(summary_line(finished, loaded))
+        elif sys.stdout.isatty():
+            # a terminal: coloured tokens, live footer, one-line summary (and the breakdown with --stats)
+            out = ui.make_console(no_color=no_color)
+            if ui.colour_on(out):
+                out.print(ui.legend())
+            finished = ui.show(events, ui.LiveView(out))
+            if finished is not None:
+                out.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
+                if show_stats:
+                    out.print(ui.breakdown(finished.stats))
+        else:
+            # a pipe: the text only; numbers on stderr when asked for
+            finished = ui.show(events, ui.PlainView(sys.stdout))
+            if show_stats and finished is not None:
+                err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
+                err.print(ui.breakdown(finished.stats))
+
+
+def stream_plain(events) -> Finished | None:
+    out = sys.stdout
+    finished = None
+    for event in events:
+        if isinstance(event, TokenEvent):
+            out.write(event.text)
+            out.flush()
+        elif isinstance(event, Finished):
+            finished = event
+            out.write(event.tail + "\n")
+            out.flush()
+    return finished
+
+
+def print_json(events, loaded: Loaded, run: RunOptions) -> Finished:
+    tokens = []
+    finished = None
+    for event in events:
+        if isinstance(event, TokenEvent):
+            tokens.append({"id": event.id, "text": event.text, "source": event.source})
+        elif isinstance(event, Finished):
+            finished = event
+    assert finished is not None
+    doc = {
+        "text": finished.text,
+        "tokens": tokens,
+        "prompt_token_ids": finished.prompt_token_ids,
+        "finish_reason": finished.finish_reason,
+        "target": loaded.target_spec.name,
+        "drafter": loaded.drafter_label,
+        "params": {**run.params.__dict__, "draft_max": run.draft_max, "draft_fixed": run.draft_fixed},
+        "stats": finished.stats.as_dict(),
+    }
+    json.dump(doc, sys.stdout, ensure_ascii=False)
+    sys.stdout.write("\n")
+    return finished
+
+
+def summary_line(finished: Finished, loaded: Loaded) -> str:
+    s = finished.stats
+    rate = "-" if s.acceptance_rate is None else f"{s.acceptance_rate:.0%}"
+    tau = s.mean_accepted_length or 0.0
+    tps = s.tokens_per_second or 0.0
+    return (
+        f"{s.emitted} tokens · {tps:.1f} tok/s · accepted {rate} of {s.drafted} drafted · "
+        f"{tau:.2f} tokens/step · {loaded.drafter_label} · {finished.finish_reason}"
+    )
+
+
+@app.command()
+def models() -> None:
+    """List the models and pairs from models.toml (and your overrides): where each comes from, whether
+    its file is here, and for pairs whether draft and target are compatible."""
+    from .models_view import models_tables
+
+    config = load_config()
+    console = Console()
+    for table in models_tables(config):
+        console.print(table)
+
+
+from .report import report_command  # noqa: E402
+
+app.command("report")(report_command)
+
+from .chat import chat_command  # noqa: E402
+
+app.command("chat")(chat_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: every user error becomes one line on stderr and exit code 2, never a traceback."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="specchat", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.exceptions.Abort:
+        print("specchat: aborted", file=sys.stderr)
+        code = 130
+    except click.ClickException as e:
+        # click's own message ("Invalid value for '--temp': ...") without its usage banner
+        print(f"specchat: error: {e.format_message()}", file=sys.stderr)
+        code = 2
+    except USER_ERRORS as e:
+        print(f"specchat: error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("\nspecchat: interrupted", file=sys.stderr)
+        code = 130
+    except BrokenPipeError:
+        code = 0
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

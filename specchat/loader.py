@@ -1,0 +1,109 @@
+"""From what the user typed (-m / -md / --pair) to a loaded target backend and drafter."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .backend import Backend, BackendError, LlamaCppBackend
+from .config import Config, ModelSpec
+from .drafters import DraftModel, Drafter, PromptLookup
+from .sources import resolve
+
+PROMPT_LOOKUP = "prompt-lookup"
+
+
+def default_threads() -> int:
+    """llama-cpp-python defaults to cpu_count // 2 (1 thread on a 2-core machine, half speed there);
+    llama.cpp's own tools use the physical cores. Use them all on small machines, half on big SMT ones."""
+    n = os.cpu_count() or 1
+    return n if n <= 4 else n // 2
+
+
+@dataclass
+class LoadOptions:
+    n_ctx: int = 4096
+    n_gpu_layers: int | None = None  # None = all when this llama.cpp can offload, else 0
+    n_gpu_layers_draft: int | None = None
+    n_threads: int | None = None
+    draft_p_min: float = 0.75
+    draft_min: int = 0
+    lookup_min: int = 1
+    lookup_max: int = 4
+
+
+@dataclass
+class Loaded:
+    target: Backend
+    drafter: Drafter | None
+    target_spec: ModelSpec
+    draft_spec: ModelSpec | None  # None for prompt lookup and for no drafter
+    drafter_label: str  # "prompt-lookup", a draft model name, or "none"
+
+    def close(self) -> None:
+        for backend in (self.target, getattr(self.drafter, "backend", None)):
+            close = getattr(backend, "close", None)
+            if close:
+                close()
+
+
+@dataclass(frozen=True)
+class Selection:
+    target: str
+    draft: str | None  # model ref, PROMPT_LOOKUP, or None (no speculation)
+
+
+def select(config: Config, *, pair: str | None, target: str | None, draft: str | None, no_spec: bool) -> Selection:
+    """--pair picks both; -m / -md override either part. -m alone drafts with prompt lookup, which needs
+    no second model; --no-spec drops the drafter."""
+    if pair is not None or target is None:
+        chosen = config.pair(pair or "default")
+        target = target or chosen.target
+        draft = draft or chosen.draft
+    draft = draft or PROMPT_LOOKUP
+    return Selection(target=target, draft=None if no_spec else draft)
+
+
+def load(
+    config: Config,
+    selection: Selection,
+    opts: LoadOptions,
+    status: Callable[[str], None] = lambda message: None,
+) -> Loaded:
+    """Resolve files (downloading hub refs), load the target, then the drafter, checking compatibility
+    before the draft's weights are loaded into a context."""
+    threads = opts.n_threads or default_threads()
+    target_spec = config.model(selection.target)
+    status(f"locating {target_spec.name}")
+    target_path = resolve(target_spec)
+    status(f"loading target {target_spec.name}")
+    target = LlamaCppBackend(
+        target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name
+    )
+    try:
+        if selection.draft is None:
+            return Loaded(target, None, target_spec, None, "none")
+        if selection.draft == PROMPT_LOOKUP:
+            lookup = PromptLookup(opts.lookup_min, opts.lookup_max, draft_min=opts.draft_min)
+            return Loaded(target, lookup, target_spec, None, PROMPT_LOOKUP)
+        draft_spec = config.model(selection.draft)
+        status(f"locating draft {draft_spec.name}")
+        draft_path = resolve(draft_spec)
+        status(f"loading draft {draft_spec.name}")
+        draft_backend = LlamaCppBackend(
+            draft_path,
+            n_ctx=opts.n_ctx,
+            n_gpu_layers=opts.n_gpu_layers_draft,
+            n_threads=threads,
+            name=draft_spec.name,
+        )
+        try:
+            drafter = DraftModel.checked(draft_backend, target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
+        except BackendError:
+            draft_backend.close()
+            raise
+        return Loaded(target, drafter, target_spec, draft_spec, draft_spec.name)
+    except BaseException:
+        target.close()
+        raise

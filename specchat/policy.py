@@ -1,0 +1,292 @@
+"""How many tokens to draft at each step (k = 0 means plain decoding).
+
+Drafting pays only when the tokens it is expected to add outweigh what verifying them costs. On a GPU
+at batch 1 verifying 8 tokens costs about as much as 1; on two CPU cores it costs 3-5x, so the same
+drafter that doubles speed there loses here. `AdaptivePolicy` decides from measurements on this machine:
+
+    expected tokens(n) = 1 + sum_{j<=n} prod_{i<=j} a_i      a_i = P(draft i accepted | drafts < i accepted)
+    rate(n)            = expected tokens(n) / (verify_cost(n + 1) + draft_cost(n))
+
+and picks the n with the best rate, n = 0 included. verify_cost comes from timing the target on batches
+of each size (cached per model file and thread count), rescaled online by what steps really take;
+a_i are running estimates per draft position, per kind of proposal (for prompt lookup: the length of
+the matched n-gram and whether the previous lookup was accepted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from .stats import StepStats
+
+# batch sizes timed at calibration; costs in between are interpolated
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 17)
+MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
+
+
+class Policy(Protocol):
+    def plan(self, limit: int) -> int:
+        """Most tokens the drafter should propose now (0 = do not call it), at most `limit`."""
+
+    def trim(self, tokens: Sequence[int], confidence: float) -> int:
+        """How many of the proposed tokens to send to the target."""
+
+    def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        """The step's outcome: what the drafter proposed (before trimming) and the tokens emitted."""
+
+
+class FixedPolicy:
+    """Always the same k: --draft-fixed, and --no-spec (k = 0)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def plan(self, limit: int) -> int:
+        return max(0, min(self.k, limit))
+
+    def trim(self, tokens: Sequence[int], confidence: float) -> int:
+        return len(tokens)
+
+    def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        pass
+
+
+# -- costs -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class CostModel:
+    """Seconds to evaluate a batch of n tokens, from calibration points, times an online scale factor
+    that follows what the machine is doing now (other load, a growing context)."""
+
+    sizes: list[int]
+    seconds: list[float]
+    scale: float = 1.0
+
+    def __call__(self, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        base = float(np.interp(n, self.sizes, self.seconds))
+        if n > self.sizes[-1]:  # extrapolate with the last slope
+            slope = (self.seconds[-1] - self.seconds[-2]) / (self.sizes[-1] - self.sizes[-2])
+            base = self.seconds[-1] + slope * (n - self.sizes[-1])
+        return base * self.scale
+
+    def update(self, n: int, seconds: float, weight: float = 0.1) -> None:
+        expected = float(np.interp(n, self.sizes, self.seconds))
+        if expected > 0 and seconds > 0:
+            ratio = min(max(seconds / expected, 0.25), 4.0)  # one stall must not swing the model
+            self.scale = (1 - weight) * self.scale + weight * ratio
+
+    @classmethod
+    def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = 3) -> CostModel:
+        """Time real evaluations of each batch size after what the cache holds, then roll them back."""
+        keep = len(backend.tokens)
+        room = backend.n_ctx - keep
+        sizes = [n for n in sizes if n <= room] or [1]
+        filler = [backend.tokens[-1] if backend.tokens else 1]
+        seconds = []
+        backend.eval(filler, [0])  # warm-up: first decode allocates compute buffers
+        backend.truncate(keep)
+        for n in sizes:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                backend.eval(filler * n, range(n))
+                times.append(time.perf_counter() - t0)
+                backend.truncate(keep)
+            seconds.append(float(np.median(times)))
+        # costs never fall with size; timing noise can make them look so
+        seconds = list(np.maximum.accumulate(seconds))
+        return cls(list(sizes), seconds)
+
+
+def cost_cache_key(backend) -> str:
+    path = Path(getattr(backend, "path", backend.name))
+    try:
+        st = path.stat()
+        ident = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+    except OSError:
+        ident = str(path)
+    ident += f"|threads={getattr(backend, 'n_threads', 0)}|ngl={getattr(backend, 'n_gpu_layers', 0)}"
+    return hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
+def cached_cost_model(backend, cache_file: Path | None) -> CostModel:
+    """The backend's cost model from the cache file, measuring (about a second) on a miss."""
+    key = cost_cache_key(backend)
+    table = {}
+    if cache_file is not None and cache_file.exists():
+        try:
+            table = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            table = {}
+    entry = table.get(key)
+    if entry:
+        return CostModel(entry["sizes"], entry["seconds"])
+    model = CostModel.measure(backend)
+    if cache_file is not None:
+        table[key] = {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time()}
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(table, indent=1))
+        except OSError:
+            pass  # a read-only cache only costs a re-measure next time
+    return model
+
+
+# -- acceptance --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Acceptance:
+    """Running estimates of a_i (conditional acceptance at draft position i) for one kind of proposal,
+    as decayed Beta counts so they follow the conversation."""
+
+    prior_hits: float
+    prior_tries: float
+    decay: float = 0.98
+    hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITION))
+    tries: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITION))
+
+    def rates(self, n: int) -> np.ndarray:
+        idx = np.minimum(np.arange(n), MAX_POSITION - 1)
+        return (self.hits[idx] + self.prior_hits) / (self.tries[idx] + self.prior_tries)
+
+    def record(self, accepted: int, tried: int) -> None:
+        """Positions 0..tried-1 were checked; the first `accepted` of them were kept."""
+        if tried <= 0:
+            return
+        self.hits *= self.decay
+        self.tries *= self.decay
+        for i in range(tried):
+            j = min(i, MAX_POSITION - 1)
+            self.tries[j] += 1
+            if i < accepted:
+                self.hits[j] += 1
+
+
+def best_length(a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: float = 0.0) -> tuple[int, float]:
+    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost): (n, tokens per second)."""
+    expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
+    best_n, best_rate = 0, expected[0] / verify_cost(1)
+    for n in range(1, len(a) + 1):
+        rate = expected[n] / (verify_cost(n + 1) + n * draft_cost_per_token)
+        if rate > best_rate * 1.01:  # ties go to less drafting: same speed, less work
+            best_n, best_rate = n, rate
+    return best_n, best_rate
+
+
+class AdaptivePolicy:
+    """The default: picks k per step to maximise expected tokens per second (see module doc)."""
+
+    def __init__(self, verify_cost: CostModel, *, kind: str, draft_max: int, draft_cost: CostModel | None = None):
+        self.verify_cost = verify_cost
+        self.draft_cost = draft_cost
+        self.kind = kind
+        self.draft_max = draft_max
+        self.lookup: dict[tuple[int, int], Acceptance] = {}
+        # a draft model gets an optimistic prior so it is tried; its misses then teach the policy
+        self.model_acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
+        self.last_lookup_ok = 2  # 0 rejected, 1 accepted, 2 no lookup yet
+        self._features: tuple[int, int] | None = None
+        self._shadow: list[int] = []  # proposed tokens not sent to the target, checked against what comes
+        self._shadow_key: tuple[int, int] | None = None
+        self._shadow_offset = 0
+        self.last_planned = 0
+
+    # --- prompt lookup: the proposal is free, so propose first and trim with what the match looks like
+
+    def _lookup_stats(self, key: tuple[int, int]) -> Acceptance:
+        stats = self.lookup.get(key)
+        if stats is None:
+            # longer matches start more trusted; the first observations override the prior quickly
+            prior = {1: 0.3, 2: 0.45, 3: 0.55}.get(key[0], 0.65)
+            stats = self.lookup[key] = Acceptance(prior_hits=2 * prior, prior_tries=2.0)
+        return stats
+
+    def plan(self, limit: int) -> int:
+        limit = min(limit, self.draft_max)
+        if limit <= 0:
+            return 0
+        if self.kind == "prompt-lookup":
+            self.last_planned = limit
+            return limit
+        per_token = self.draft_cost(1) if self.draft_cost else 0.0
+        n, _ = best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token)
+        self.last_planned = n
+        return n
+
+    def trim(self, tokens: Sequence[int], confidence: float) -> int:
+        if self.kind != "prompt-lookup" or not tokens:
+            return len(tokens)
+        key = (min(int(confidence), 4), self.last_lookup_ok)
+        self._features = key
+        n, _ = best_length(self._lookup_stats(key).rates(len(tokens)), self.verify_cost)
+        return n
+
+    def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        self.verify_cost.update(step.drafted + 1, step.verify_seconds)
+        if self.draft_cost is not None and step.drafted > 0:
+            self.draft_cost.update(1, step.draft_seconds / step.drafted)
+        self._check_shadow(emitted)
+        if self.kind != "prompt-lookup":
+            self.model_acceptance.record(step.accepted, step.drafted)
+            return
+        if not proposed or self._features is None:
+            return
+        stats = self._lookup_stats(self._features)
+        stats.record(step.accepted, step.drafted)
+        if step.drafted:
+            self.last_lookup_ok = int(step.accepted > 0)
+        # tokens proposed but not verified: learn from them for free by comparing with what the
+        # target emits next (for a one-hot proposal that match has exactly the acceptance probability)
+        if step.accepted == step.drafted and len(proposed) > step.drafted:
+            self._shadow = list(proposed[step.drafted :])
+            self._shadow_key = self._features
+            self._shadow_offset = step.drafted
+            # the step's own last token is the first check of the tail
+            self._check_shadow(emitted[step.accepted :])
+        self._features = None
+
+    def _check_shadow(self, emitted: Sequence[int]) -> None:
+        if not self._shadow or self._shadow_key is None:
+            return
+        stats = self._lookup_stats(self._shadow_key)
+        for token in emitted:
+            if not self._shadow:
+                break
+            hit = token == self._shadow[0]
+            j = min(self._shadow_offset, MAX_POSITION - 1)
+            stats.tries[j] += 1
+            stats.hits[j] += hit
+            if self._shadow_offset == 0:
+                self.last_lookup_ok = int(hit)
+            self._shadow_offset += 1
+            self._shadow = self._shadow[1:] if hit else []
+        if not self._shadow:
+            self._shadow_key = None
+
+
+def make_policy(loaded, draft_max: int, draft_fixed: int | None) -> Policy:
+    """The policy a command runs with: none without a drafter, fixed with --draft-fixed, else adaptive."""
+    from .paths import cache_dir
+
+    if loaded.drafter is None or draft_max == 0:
+        return FixedPolicy(0)
+    if draft_fixed is not None:
+        return FixedPolicy(draft_fixed)
+    cache_file = cache_dir() / "costs.json"
+    verify = cached_cost_model(loaded.target, cache_file)
+    draft_cost = None
+    if loaded.drafter.kind == "draft-model":
+        draft_cost = cached_cost_model(loaded.drafter.backend, cache_file)
+    return AdaptivePolicy(verify, kind=loaded.drafter.kind, draft_max=draft_max, draft_cost=draft_cost)

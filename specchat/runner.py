@@ -1,0 +1,90 @@
+"""What every generating command does the same way: turn the shared options into a checked RunOptions,
+load the pair behind a spinner, read the prompt. User mistakes raise UserError (one line, exit 2)."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from .backend import BackendError
+from .config import Config, ConfigError
+from .loader import LoadOptions, Selection, load, select
+from .sampling import SamplingParams
+from .sources import SourceError
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+USER_ERRORS = (UserError, BackendError, ConfigError, SourceError)
+
+
+@dataclass
+class RunOptions:
+    """Everything a generating command needs, gathered from the shared options."""
+
+    selection: Selection
+    load: LoadOptions
+    params: SamplingParams
+    draft_max: int
+    draft_fixed: int | None
+    max_tokens: int
+
+
+def sampling_params(**kw) -> SamplingParams:
+    params = SamplingParams(**kw)
+    try:
+        params.check()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return params
+
+
+def run_options(
+    config: Config,
+    *,
+    target, draft, pair, no_spec, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+    frequency_penalty, presence_penalty, seed, draft_max, draft_min, draft_p_min, draft_fixed, lookup_min,
+    lookup_max, ctx_size, ngl, ngld, threads,
+) -> RunOptions:
+    if lookup_min > lookup_max:
+        raise UserError(f"--lookup-min ({lookup_min}) must not exceed --lookup-max ({lookup_max})")
+    draft_max = 16 if draft_max is None else draft_max
+    if draft_min > draft_max:
+        raise UserError(f"--draft-min ({draft_min}) must not exceed --draft-max ({draft_max})")
+    params = sampling_params(
+        temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed,
+    )
+    selection = select(config, pair=pair, target=target, draft=draft, no_spec=no_spec or draft_max == 0)
+    load_opts = LoadOptions(
+        n_ctx=ctx_size, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, n_threads=threads,
+        draft_p_min=draft_p_min, draft_min=draft_min, lookup_min=lookup_min, lookup_max=lookup_max,
+    )
+    return RunOptions(selection, load_opts, params, draft_max, draft_fixed, max_tokens)
+
+
+@contextmanager
+def loading(config: Config, run: RunOptions, console: Console):
+    """Load the pair behind a spinner (on a terminal) and always free it."""
+    if console.is_terminal:
+        with console.status("loading models…") as spinner:
+            loaded = load(config, run.selection, run.load, status=lambda m: spinner.update(m + "…"))
+    else:
+        loaded = load(config, run.selection, run.load)
+    try:
+        yield loaded
+    finally:
+        loaded.close()
+
+
+def read_prompt(text: str) -> str:
+    if text == "-":
+        text = sys.stdin.read()
+    if not text.strip():
+        raise UserError("empty prompt: give some text, or - to read it from stdin")
+    return text

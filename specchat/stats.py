@@ -1,0 +1,128 @@
+"""Speculation metrics, with the names of DESIGN.md section 4, aggregated from per-step records.
+
+The engine, the live footer, `--json` and the acceptance report all read these numbers from here, so a
+metric is defined once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One target verify step: `drafted` proposals, the first `accepted` of them kept, then one token
+    from the target (correction or bonus). `emitted` can be smaller than accepted + 1 when generation
+    stopped inside the step (EOG, stop string, max tokens)."""
+
+    step: int
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_seconds: float
+    verify_seconds: float
+    # length the policy asked for before the drafter ran (a prompt-lookup miss drafts fewer)
+    planned: int = 0
+
+
+@dataclass
+class RunStats:
+    """Accumulates StepStats; `as_dict()` is the `stats` object of `specchat prompt --json`."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    prompt_tokens: int = 0
+    prompt_tokens_evaluated: int = 0  # < prompt_tokens when the KV cache was reused (chat turns)
+    position_tries: list[int] = field(default_factory=list)  # steps that drafted > i tokens
+    position_hits: list[int] = field(default_factory=list)  # ... whose draft i was accepted
+    accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps
+    draft_lengths: Counter = field(default_factory=Counter)  # drafted tokens per step -> steps
+    rollback_recoveries: int = 0  # KV rollbacks that failed and were repaired by re-evaluating
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.emitted += s.emitted
+        self.draft_seconds += s.draft_seconds
+        self.verify_seconds += s.verify_seconds
+        while len(self.position_tries) < s.drafted:
+            self.position_tries.append(0)
+            self.position_hits.append(0)
+        for i in range(s.drafted):
+            self.position_tries[i] += 1
+            if i < s.accepted:
+                self.position_hits[i] += 1
+        self.accepted_lengths[s.accepted] += 1
+        self.draft_lengths[s.drafted] += 1
+
+    def merge(self, other: RunStats) -> None:
+        for name in ("steps", "drafted", "accepted", "emitted", "draft_seconds", "verify_seconds",
+                     "prefill_seconds", "generate_seconds", "prompt_tokens", "prompt_tokens_evaluated",
+                     "rollback_recoveries"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for i, (tries, hits) in enumerate(zip(other.position_tries, other.position_hits)):
+            if i >= len(self.position_tries):
+                self.position_tries.append(0)
+                self.position_hits.append(0)
+            self.position_tries[i] += tries
+            self.position_hits[i] += hits
+        self.accepted_lengths.update(other.accepted_lengths)
+        self.draft_lengths.update(other.draft_lengths)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """tau: tokens emitted per verify step, the target's own token included (plain decoding = 1.0)."""
+        return self.emitted / self.steps if self.steps else None
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [h / t for h, t in zip(self.position_hits, self.position_tries)]
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.emitted / self.generate_seconds if self.generate_seconds > 0 else None
+
+    @property
+    def end_to_end_tokens_per_second(self) -> float | None:
+        total = self.prefill_seconds + self.generate_seconds
+        return self.emitted / total if total > 0 else None
+
+    @property
+    def draft_share(self) -> float | None:
+        """Fraction of step time spent drafting (the rest is the target's verify)."""
+        total = self.draft_seconds + self.verify_seconds
+        return self.draft_seconds / total if total > 0 else None
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "generated_tokens": self.emitted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "accepted_length_histogram": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
+            "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
+            "prefill_seconds": self.prefill_seconds,
+            "generate_seconds": self.generate_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "end_to_end_tokens_per_second": self.end_to_end_tokens_per_second,
+            "rollback_recoveries": self.rollback_recoveries,
+        }

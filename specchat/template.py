@@ -1,0 +1,54 @@
+"""Chat messages -> the exact token ids the target evaluates.
+
+A model's own template comes from its GGUF metadata (`tokenizer.chat_template`) and is rendered with
+llama-cpp-python's Jinja2ChatFormatter, the same code `Llama.create_chat_completion` uses. Base models
+(gemma-3-270m) have none: they get FALLBACK, a plain "User:/Assistant:" transcript that a base model
+continues naturally, stopped at the next "\nUser:".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .backend import Backend
+
+FALLBACK_STOP = ["\nUser:"]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    token_ids: list[int]
+    stop: list[str]  # stop strings that go with this format
+    templated: bool  # False = the fallback transcript format
+
+
+def render_fallback(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    parts = []
+    for m in messages:
+        if m["role"] == "system":
+            parts.append(f"{m['content']}\n\n")
+        else:
+            who = "User" if m["role"] == "user" else "Assistant"
+            parts.append(f"{who}: {m['content']}\n")
+    if add_generation_prompt:
+        parts.append("Assistant:")
+    return "".join(parts)
+
+
+def render(backend: Backend, messages: Sequence[dict], add_generation_prompt: bool = True) -> Rendered:
+    template = backend.chat_template
+    if not template:
+        text = render_fallback(messages, add_generation_prompt)
+        return Rendered(backend.tokenize(text, add_special=True), list(FALLBACK_STOP), False)
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    formatter = Jinja2ChatFormatter(
+        template,
+        eos_token=backend.eos_text,
+        bos_token=backend.bos_text,
+        add_generation_prompt=add_generation_prompt,
+    )
+    text = formatter(messages=list(messages)).prompt
+    # the template writes BOS itself where the model wants one, so the tokenizer must not add another
+    return Rendered(backend.tokenize(text, add_special=False, parse_special=True), [], True)

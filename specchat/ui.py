@@ -1,0 +1,338 @@
+"""What the user sees: tokens coloured by where they came from, a live footer, a summary per reply.
+
+One Rich theme names every style by what it means (`spec.accepted` is a draft token the target
+accepted, `spec.resampled` the target's correction at a rejection, `spec.bonus` the extra target token
+after a fully accepted draft, `spec.target` a token from plain decoding). The views only consume engine
+events (TokenEvent / StepEvent / Finished); they never touch a model.
+
+`LiveView` (a terminal): the reply streams above a transient footer held in a `rich.live.Live` region.
+Live redraws its region by moving the cursor up, which only works for whole rows, so the reply is
+committed above the region row by row: every finished line, and every wrapped row but the last two of
+the line being written (greedy word wrap never moves a row break once a later row has started). The
+region holds those last rows and the footer; when the reply ends, the footer is erased and the rows are
+printed for good.
+
+`PlainView` (a pipe): the text only, written as it comes, nothing else on stdout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TextIO
+
+from rich._wrap import divide_line
+from rich.cells import cell_len
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+from rich.theme import Theme
+
+from .engine import Finished, StepEvent, TokenEvent
+from .stats import RunStats, StepStats
+
+THEME = Theme(
+    {
+        # the tokens, by source (engine.Source)
+        "spec.accepted": "green",  # drafted, and accepted by the target
+        "spec.resampled": "bold red",  # the target's correction at the first rejected draft token
+        "spec.bonus": "bold cyan",  # the target's extra token after every draft token was accepted
+        "spec.target": "default",  # plain decoding: no draft at this step
+        # around the tokens
+        "spec.footer": "dim",
+        "spec.footer.value": "bold",
+        "spec.summary": "dim",
+        "spec.legend": "dim",
+        "spec.notice": "yellow",
+        "spec.error": "bold red",
+        "spec.prompt": "bold magenta",
+        "spec.user": "bold",
+        "spec.help.key": "bold",
+    }
+)
+
+SOURCE_STYLE = {
+    "accepted": "spec.accepted",
+    "resampled": "spec.resampled",
+    "bonus": "spec.bonus",
+    "target": "spec.target",
+}
+
+LEGEND_ITEMS = (
+    ("accepted", "accepted draft"),
+    ("resampled", "resampled (target's correction)"),
+    ("bonus", "bonus (whole draft accepted)"),
+    ("target", "target only"),
+)
+
+# live rows kept below the committed text: the row being written and the one before it
+PENDING_ROWS = 2
+# at most this many footer redraws per second (a step can emit many tokens; the screen needs few)
+REFRESH_PER_SECOND = 30
+
+
+def make_console(*, file: TextIO | None = None, stderr: bool = False, no_color: bool = False, **kw) -> Console:
+    """A console with the spec theme. no_color=False leaves the choice to Rich, which honours NO_COLOR."""
+    return Console(file=file, stderr=stderr, theme=THEME, no_color=True if no_color else None, highlight=False, **kw)
+
+
+def colour_on(console: Console) -> bool:
+    return console.color_system is not None and not console.no_color
+
+
+def legend() -> Text:
+    """One line: each source's name in its own style."""
+    text = Text("tokens: ", style="spec.legend")
+    for i, (source, label) in enumerate(LEGEND_ITEMS):
+        if i:
+            text.append("  ")
+        text.append("■ " + label, style=SOURCE_STYLE[source])
+    return text
+
+
+# -- numbers -----------------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def footer(totals: RunStats | None, last: StepStats | None, *, label: str = "") -> Text:
+    """tokens/s · acceptance rate · mean accepted length · current draft length · tokens generated."""
+    text = Text(style="spec.footer")
+    if totals is None or totals.steps == 0:
+        text.append("evaluating the prompt…")
+        return text
+
+    def item(value: str, unit: str) -> None:
+        if len(text):
+            text.append(" · ")
+        text.append(value, style="spec.footer.value")
+        text.append(unit)
+
+    item(f"{totals.tokens_per_second or 0.0:.1f}", " tok/s")
+    item(_pct(totals.acceptance_rate), " accepted")
+    item(f"{totals.mean_accepted_length or 0.0:.2f}", " tokens/step")
+    item(str(last.drafted if last is not None else 0), " drafted now")
+    item(str(totals.emitted), " tokens")
+    if label:
+        text.append(f" · {label}")
+    return text
+
+
+def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "") -> Text:
+    """One line at the end of a reply."""
+    tps = stats.tokens_per_second or 0.0
+    tau = stats.mean_accepted_length or 0.0
+    parts = [
+        f"{stats.emitted} tokens",
+        f"{tps:.1f} tok/s",
+        f"accepted {_pct(stats.acceptance_rate)} ({stats.accepted}/{stats.drafted} drafted)",
+        f"{tau:.2f} tokens/step",
+        f"prompt {stats.prompt_tokens} ({stats.prompt_tokens_evaluated} evaluated)",
+    ]
+    if drafter_label:
+        parts.append(drafter_label)
+    parts.append(finish_reason)
+    return Text(" · ".join(parts), style="spec.summary")
+
+
+def _bar(n: int, most: int, width: int = 20) -> str:
+    return "█" * max(1, round(width * n / most)) if n and most else ""
+
+
+def breakdown(stats: RunStats) -> Text:
+    """--stats / /stats: per-position acceptance, the accepted-length histogram, where time went."""
+    out = Text()
+    out.append("per-position acceptance\n", style="bold")
+    if not stats.position_tries:
+        out.append("  (nothing drafted)\n", style="spec.footer")
+    for i, (hits, tries) in enumerate(zip(stats.position_hits, stats.position_tries)):
+        out.append(f"  {i + 1:>3}  {hits / tries:>4.0%}  ({hits}/{tries})  ")
+        out.append(_bar(hits, tries, 20) + "\n", style="spec.accepted")
+    out.append("accepted draft tokens per step (steps)\n", style="bold")
+    most = max(stats.accepted_lengths.values(), default=0)
+    for n, steps in sorted(stats.accepted_lengths.items()):
+        out.append(f"  {n:>3}  {steps:>5}  ")
+        out.append(_bar(steps, most) + "\n", style="spec.bonus")
+    drafted = ", ".join(f"{k}: {v}" for k, v in sorted(stats.draft_lengths.items()))
+    out.append(f"draft lengths (k: steps)  {drafted or '-'}\n")
+    share = stats.draft_share
+    out.append(
+        f"time  prefill {stats.prefill_seconds:.2f} s ({stats.prompt_tokens_evaluated} of "
+        f"{stats.prompt_tokens} prompt tokens evaluated) · generation {stats.generate_seconds:.2f} s · "
+        f"drafting {_pct(share)} of step time · end to end {stats.end_to_end_tokens_per_second or 0.0:.1f} tok/s"
+    )
+    if stats.rollback_recoveries:
+        out.append(f" · {stats.rollback_recoveries} KV rollbacks repaired")
+    return out
+
+
+# -- views -------------------------------------------------------------------------------------------
+
+
+class PlainView:
+    """Text only, as it comes (stdout is a pipe or a file)."""
+
+    def __init__(self, file: TextIO):
+        self.file = file
+        self.finished: Finished | None = None
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def start(self) -> None:
+        pass
+
+    def feed(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self.token_ids.append(event.id)
+            if event.text:
+                self.parts.append(event.text)
+                self.file.write(event.text)
+                self.file.flush()
+        elif isinstance(event, Finished):
+            self.finished = event
+            if event.tail:
+                self.parts.append(event.tail)
+                self.file.write(event.tail)
+
+    def end(self, notice: str | None = None) -> None:
+        if notice:
+            self.file.write(f" [{notice}]")
+        self.file.write("\n")
+        self.file.flush()
+
+
+class LiveView:
+    """Coloured tokens above a live footer (see the module doc for how rows are committed)."""
+
+    def __init__(self, console: Console, *, label: str = "", show_footer: bool = True):
+        self.console = console
+        self.label = label
+        self.show_footer = show_footer
+        self.reply = Text()  # the whole reply, styled
+        self.token_ids: list[int] = []
+        self.finished: Finished | None = None
+        self.totals: RunStats | None = None
+        self.last_step: StepStats | None = None
+        self._pending = Text()  # the reply's rows not yet printed above the live region
+        self._live: Live | None = None
+        self._last_refresh = 0.0
+
+    @property
+    def text(self) -> str:
+        return self.reply.plain
+
+    def start(self) -> None:
+        self._live = Live(
+            self._renderable(),
+            console=self.console,
+            auto_refresh=False,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+            vertical_overflow="visible",
+        )
+        self._live.start(refresh=True)
+
+    def feed(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self.token_ids.append(event.id)
+            if event.text:
+                self._append(event.text, SOURCE_STYLE.get(event.source, "spec.target"))
+        elif isinstance(event, StepEvent):
+            self.totals, self.last_step = event.totals, event.stats
+            self._commit()
+            self._refresh()
+        elif isinstance(event, Finished):
+            self.finished = event
+            self.totals = event.stats
+            if event.tail:
+                self._append(event.tail, "spec.target")
+
+    def end(self, notice: str | None = None) -> None:
+        """Erase the footer, print what is left of the reply (and a notice such as 'interrupted')."""
+        if self._live is not None:
+            live, self._live = self._live, None
+            live.stop()
+        rest = self._pending
+        self._pending = Text()
+        if not rest.plain and not notice and self.reply.plain:
+            return  # the reply ended with a newline and is all on screen already
+        if notice:
+            rest.append((" " if rest.plain and not rest.plain.endswith("\n") else "") + f"[{notice}]", style="spec.notice")
+        self.console.print(rest, soft_wrap=False)
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _append(self, text: str, style: str) -> None:
+        self.reply.append(text, style=style)
+        self._pending.append(text, style=style)
+
+    def _renderable(self):
+        parts = []
+        if self._pending.plain:
+            parts.append(self._pending)
+        if self.show_footer:
+            parts.append(footer(self.totals, self.last_step, label=self.label))
+        return Group(*parts)
+
+    def _commit(self) -> None:
+        """Print finished lines and all but the last PENDING_ROWS wrapped rows above the live region."""
+        pending = self._pending
+        plain = pending.plain
+        cut = plain.rfind("\n") + 1  # through the last newline: whole lines
+        width = max(1, self.console.width)
+        last_line = plain[cut:]
+        if cell_len(last_line) > width:
+            breaks = divide_line(last_line, width, fold=True)  # offsets where rows 2..n start
+            if len(breaks) >= PENDING_ROWS:
+                cut += breaks[-PENDING_ROWS]
+        if cut <= 0:
+            return
+        done, self._pending = pending[:cut], pending[cut:]
+        if done.plain.endswith("\n"):
+            done = done[:-1]
+        self._print(done)
+
+    def _print(self, text: Text) -> None:
+        if self._live is not None:
+            # the live render hook clears the region, prints above it, and redraws it
+            self._live.update(self._renderable(), refresh=False)
+        self.console.print(text, soft_wrap=False)
+
+    def _refresh(self) -> None:
+        if self._live is None:
+            return
+        now = time.perf_counter()
+        if now - self._last_refresh < 1.0 / REFRESH_PER_SECOND:
+            self._live.update(self._renderable(), refresh=False)
+            return
+        self._last_refresh = now
+        self._live.update(self._renderable(), refresh=True)
+
+
+def make_view(console: Console, plain_file: TextIO, *, label: str = "", live: bool | None = None):
+    """LiveView on a terminal, PlainView otherwise."""
+    if live is None:
+        live = console.is_terminal
+    return LiveView(console, label=label) if live else PlainView(plain_file)
+
+
+def show(events: Iterable, view) -> Finished | None:
+    """Feed every event to the view; always close the view (a Ctrl-C leaves the screen tidy)."""
+    view.start()
+    notice = None
+    try:
+        for event in events:
+            view.feed(event)
+    except KeyboardInterrupt:
+        notice = "interrupted"
+        raise
+    finally:
+        view.end(notice)
+    return view.finished

@@ -1,0 +1,396 @@
+"""Test doubles: a Backend whose logits are a pure function of the token context, and scripted drafters.
+
+`FakeBackend` implements `specchat.backend.Backend` exactly. Its logits for the next token depend only on
+the tokens before it (`logits_fn(context) -> row`), so any KV-cache bookkeeping mistake (a rollback to the
+wrong length, a stale token) shows up as wrong logits, and every eval / truncate is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import math
+
+import numpy as np
+
+from specchat.backend import BackendError, VocabInfo
+from specchat.drafters import Draft, DraftModel
+from specchat.sampling import SamplingParams, sample
+
+LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
+
+# "é" is two UTF-8 bytes; byte_vocab() gives each its own token so the character spans two tokens
+E_ACUTE = "é".encode()
+assert len(E_ACUTE) == 2
+
+
+def byte_vocab(n_vocab: int, extra: dict[int, bytes] | None = None) -> list[bytes]:
+    """Token i -> one ASCII letter (a, b, c, ... wrapping), overridden by `extra`.
+
+    `split_char_vocab` below is the usual override: two tokens that are the halves of a 2-byte character.
+    """
+    pieces = [bytes([ord("a") + i % 26]) for i in range(n_vocab)]
+    for t, b in (extra or {}).items():
+        pieces[t] = b
+    return pieces
+
+
+def split_char_vocab(n_vocab: int, first: int, second: int, char: str = "é", **more: bytes) -> list[bytes]:
+    """A byte vocab where token `first` + token `second` spell `char` (a 2-byte UTF-8 character)."""
+    b = char.encode()
+    assert len(b) == 2, char
+    return byte_vocab(n_vocab, {first: b[:1], second: b[1:]})
+
+
+class FakeBackend:
+    """Backend protocol over a pure function of the context.
+
+    eval(tokens, logits_at) appends tokens and returns, for each index j in logits_at, logits_fn applied to
+    the cached context up to and including tokens[j]. `calls` records (tokens, logits_at) per eval and
+    `truncations` every truncate(n_keep) argument (no-op calls included).
+    """
+
+    def __init__(
+        self,
+        logits_fn: LogitsFn,
+        n_vocab: int,
+        *,
+        n_ctx: int = 4096,
+        eog: Sequence[int] = (),
+        pieces: Sequence[bytes] | None = None,
+        name: str = "fake",
+        bos: int = -1,
+        eos: int | None = None,
+        add_bos: bool = False,
+        vocab_type: int = 1,
+        chat_template: str | None = None,
+        cache: bool = True,
+    ):
+        self._logits_fn = logits_fn
+        self.n_vocab = n_vocab
+        self.n_ctx = n_ctx
+        self.name = name
+        self.tokens: list[int] = []
+        self.evaluated = 0
+        self.rollback_recoveries = 0
+        self.eog = frozenset(eog)
+        self.pieces = list(pieces) if pieces is not None else byte_vocab(n_vocab)
+        assert len(self.pieces) == n_vocab
+        self.bos = bos
+        self.eos = eos if eos is not None else (min(self.eog) if self.eog else -1)
+        self.add_bos = add_bos
+        self.vocab_type = vocab_type
+        self._chat_template = chat_template
+        self.calls: list[tuple[list[int], list[int]]] = []
+        self.truncations: list[int] = []
+        self._cache: dict[tuple[int, ...], np.ndarray] | None = {} if cache else None
+
+    # -- the protocol --------------------------------------------------------------------------------
+
+    def logits_for(self, context: Sequence[int]) -> np.ndarray:
+        """The row eval returns after `context` (float32, shape (n_vocab,))."""
+        key = tuple(int(t) for t in context)
+        if self._cache is not None and key in self._cache:
+            return self._cache[key]
+        row = np.asarray(self._logits_fn(key), dtype=np.float32)
+        assert row.shape == (self.n_vocab,), row.shape
+        if self._cache is not None:
+            self._cache[key] = row
+        return row
+
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int]) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        logits_at = [int(i) for i in logits_at]
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise BackendError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > -c {self.n_ctx}")
+        for t in tokens:
+            if not 0 <= t < self.n_vocab:
+                raise BackendError(f"token {t} out of range for vocabulary of {self.n_vocab}")
+        for i in logits_at:
+            assert 0 <= i < len(tokens), (i, tokens)
+        self.calls.append((tokens, logits_at))
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.evaluated += len(tokens)
+        rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
+        for r, i in enumerate(logits_at):
+            rows[r] = self.logits_for(self.tokens[: start + i + 1])
+        return rows
+
+    def truncate(self, n_keep: int) -> None:
+        assert n_keep >= 0, n_keep
+        self.truncations.append(n_keep)
+        if n_keep < len(self.tokens):
+            del self.tokens[n_keep:]
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Greedy longest match over the pieces (the first token wins among equal pieces)."""
+        data = text.encode("utf-8")
+        by_piece: dict[bytes, int] = {}
+        for t, piece in enumerate(self.pieces):
+            if piece and t not in self.eog:
+                by_piece.setdefault(piece, t)
+        longest = max((len(p) for p in by_piece), default=1)
+        out = [self.bos] if add_special and self.add_bos and self.bos >= 0 else []
+        i = 0
+        while i < len(data):
+            for n in range(min(longest, len(data) - i), 0, -1):
+                t = by_piece.get(data[i : i + n])
+                if t is not None:
+                    out.append(t)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"fake vocab cannot spell byte {data[i:i + 1]!r}")
+        return out
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"" if token in self.eog else self.pieces[token]
+
+    def is_eog(self, token: int) -> bool:
+        return token in self.eog
+
+    @property
+    def vocab(self) -> VocabInfo:
+        pieces = self.pieces
+        return VocabInfo(
+            vocab_type=self.vocab_type,
+            n_vocab=self.n_vocab,
+            bos=self.bos,
+            eos=self.eos,
+            add_bos=self.add_bos,
+            add_eos=False,
+            token_text=lambda t: pieces[t],
+        )
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+
+# -- logits functions ----------------------------------------------------------------------------------
+
+
+def const_logits(row: Sequence[float]) -> LogitsFn:
+    """The same row after every context."""
+    arr = np.asarray(row, dtype=np.float32)
+    return lambda ctx: arr
+
+
+def markov_logits(table: np.ndarray) -> LogitsFn:
+    """Row table[last token] (a first-order Markov model)."""
+    table = np.asarray(table, dtype=np.float32)
+    return lambda ctx: table[ctx[-1]]
+
+
+def script_logits(n_vocab: int, prompt_len: int, wanted: Sequence[int], high: float = 10.0, after: int | None = None) -> LogitsFn:
+    """A target whose argmax after prompt + wanted[:i] is wanted[i] whatever the earlier tokens were (it
+    only looks at the context length); past the end of `wanted` it prefers `after` (default token 0)."""
+
+    def fn(ctx: tuple[int, ...]) -> np.ndarray:
+        row = np.zeros(n_vocab, dtype=np.float32)
+        i = len(ctx) - prompt_len
+        want = wanted[i] if 0 <= i < len(wanted) else (0 if after is None else after)
+        row[want] = high
+        return row
+
+    return fn
+
+
+def logits_of(p: Sequence[float]) -> np.ndarray:
+    """Logits whose softmax is p (zeros become -inf: never sampled)."""
+    p = np.asarray(p, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return np.log(p / p.sum())
+
+
+# -- drafters ------------------------------------------------------------------------------------------
+
+
+class ScriptedDrafter:
+    """A Drafter that proposes what the test says.
+
+    script: a list consumed one entry per propose() call; an entry is a list of tokens (deterministic,
+    q = None each), a Draft (tokens, q rows), or None (propose nothing). When the script runs out it
+    proposes nothing, or calls `fallback(context, k)` if given.
+    q_fn: instead of a script, sample k tokens autoregressively from q_fn(context + drafts so far) with the
+    engine's rng (a stochastic drafter whose q is exactly known).
+    Proposals are cut to k, as a real drafter does. `proposals` records (context, k) per call.
+    """
+
+    kind = "scripted"
+
+    def __init__(
+        self,
+        script: Sequence[list[int] | Draft | None] = (),
+        *,
+        q_fn: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+        fallback: Callable[[Sequence[int], int], Draft] | None = None,
+        room: int = 1 << 30,
+        confidence: float = 1.0,
+    ):
+        self.script = list(script)
+        self.q_fn = q_fn
+        self.fallback = fallback
+        self._room = room
+        self.confidence = confidence
+        self.prefilled: list[list[int]] = []
+        self.proposals: list[tuple[list[int], int]] = []
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        self.prefilled.append(list(prompt_ids))
+
+    def room(self) -> int:
+        return self._room
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        self.proposals.append((list(context), k))
+        if k <= 0:
+            return Draft()
+        if self.q_fn is not None:
+            draft = Draft(confidence=self.confidence)
+            ctx = tuple(context)
+            for _ in range(k):
+                q = np.asarray(self.q_fn(ctx), dtype=np.float64)
+                t = sample(q, rng)
+                draft.tokens.append(t)
+                draft.q.append(q)
+                ctx = ctx + (t,)
+            return draft
+        if self.script:
+            entry = self.script.pop(0)
+        elif self.fallback is not None:
+            entry = self.fallback(context, k)
+        else:
+            entry = None
+        if entry is None:
+            return Draft()
+        if isinstance(entry, Draft):
+            return Draft(tokens=list(entry.tokens[:k]), q=list(entry.q[:k]), confidence=entry.confidence)
+        tokens = [int(t) for t in entry[:k]]
+        return Draft(tokens=tokens, q=[None] * len(tokens), confidence=self.confidence)
+
+
+def make_draft_model(
+    logits_fn: LogitsFn, n_vocab: int, *, n_ctx: int = 4096, p_min: float = 0.0, draft_min: int = 0, **kw
+) -> tuple[DraftModel, FakeBackend]:
+    """The real specchat DraftModel over a FakeBackend (returned too, to inspect its KV cache)."""
+    backend = FakeBackend(logits_fn, n_vocab, n_ctx=n_ctx, name="fake-draft", **kw)
+    return DraftModel(backend, p_min=p_min, draft_min=draft_min), backend
+
+
+# ---------------------------------------------------------------------------------------------------------
+# chi-square goodness of fit, for the losslessness tests (no scipy needed)
+
+ALPHA = 1e-4  # a losslessness check fails when its chi-square p-value is below this
+DELTA = 0.01  # the absolute error in one token's probability a check must catch ...
+POWER = 0.9  # ... with this probability
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X > x) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df/2, x/2)
+    (series for small x, Lentz continued fraction for large x, as in Numerical Recipes)."""
+    a, x = df / 2.0, x / 2.0
+    if x <= 0:
+        return 1.0
+    log_front = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        ap = a
+        for _ in range(100000):
+            ap += 1
+            term *= x / ap
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300
+    b = x + 1 - a
+    c = 1 / tiny
+    d = 1 / b
+    h = d
+    for i in range(1, 100000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        step = d * c
+        h *= step
+        if abs(step - 1) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def chi2_isf(alpha: float, df: int) -> float:
+    """The x with chi2_sf(x, df) == alpha (bisection)."""
+    lo, hi = 0.0, 10.0 * df + 200.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if chi2_sf(mid, df) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _cells(probs: np.ndarray, n: int, min_expected: float = 5.0) -> list[np.ndarray]:
+    """Index groups of the chi-square cells: one per token (or pair) with enough expected count, the
+    rest of the non-zero ones pooled into one cell."""
+    flat = probs.ravel()
+    ids = np.flatnonzero(flat > 0)
+    big = ids[flat[ids] * n >= min_expected]
+    small = ids[flat[ids] * n < min_expected]
+    cells = [np.array([i]) for i in big]
+    if len(small):
+        if flat[small].sum() * n >= min_expected or not cells:
+            cells.append(small)
+        else:  # too little even pooled: pool it with the smallest big cell
+            j = int(np.argmin(flat[big]))
+            cells[j] = np.concatenate([cells[j], small])
+    return cells
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit of observed counts to probabilities. A draw in a zero-probability cell is an
+    outright failure (p = 0): it can never happen under the target."""
+    counts, probs = np.asarray(counts).ravel(), np.asarray(probs, dtype=np.float64).ravel()
+    assert counts.shape == probs.shape
+    assert abs(probs.sum() - 1) < 1e-9
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    n = int(counts.sum())
+    cells = _cells(probs, n)
+    if len(cells) < 2:
+        return 1.0
+    obs = np.array([counts[c].sum() for c in cells], dtype=np.float64)
+    exp = np.array([probs[c].sum() for c in cells]) * n
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return chi2_sf(stat, len(cells) - 1)
+
+
+def detection_power(n: int, probs: np.ndarray, delta: float = DELTA, alpha: float = ALPHA) -> float:
+    """Power of chi2_pvalue(., probs) < alpha against the hardest-to-see error of size delta: one token's
+    probability off by delta, the difference spread proportionally over the others. Its non-centrality is
+    n * delta^2 / (p (1 - p)), smallest for the token whose p is nearest 1/2."""
+    flat = np.asarray(probs, dtype=np.float64).ravel()
+    pos = flat[flat > 0]
+    candidates = pos[(pos >= delta) & (pos <= 1 - delta)]
+    if len(candidates) == 0:
+        return 1.0
+    lam = n * delta**2 * float(np.min(1.0 / (candidates * (1 - candidates))))
+    df = len(_cells(flat, n)) - 1
+    crit = chi2_isf(alpha, df)
+    sims = np.random.default_rng(0).noncentral_chisquare(df, lam, 100_000)
+    return float(np.mean(sims > crit))
+
+
+def draws_for(probs: np.ndarray, delta: float = DELTA, power: float = POWER) -> int:
+    """Fewest draws (a multiple of 10k, at least 20k) giving the wanted power."""
+    n = 20_000
+    while detection_power(n, probs, delta) < power:
+        n += 10_000
+        assert n <= 400_000, "distribution needs too many draws for a unit test"
+    return n
