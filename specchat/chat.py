@@ -435,6 +435,11 @@ class ChatSession:
         else:
             reply, ids, reason = view.text, list(view.token_ids), "interrupted"
             stats = view.totals or RunStats(prompt_tokens=len(prepared.ids))
+            if not ids:
+                # stopped before the first token: the message is not kept (the transcript's unanswered
+                # user line is skipped by --resume); the cache's extra prompt tokens are cut at next sync
+                self.notice("stopped before the reply began; the message was not kept")
+                return
         message = conv.commit(prepared, reply, ids)
         self.transcript.write({
             **message,

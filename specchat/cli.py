@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 
@@ -20,7 +19,7 @@ from .config import load_config
 from .engine import Finished, TokenEvent, generate
 from .loader import Loaded
 from .policy import make_policy
-from .runner import USER_ERRORS, RunOptions, UserError, loading, read_prompt, run_options
+from .runner import USER_ERRORS, RunOptions, UserError, check_fits, loading, read_prompt, run_options
 
 app = typer.Typer(
     name="specchat",
@@ -91,6 +90,7 @@ def prompt(
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             rendered = render(loaded.target, messages)
             prompt_ids, stops = rendered.token_ids, rendered.stop + list(stop or [])
+        check_fits(prompt_ids, loaded)
         events = generate(
             loaded.target, loaded.drafter, prompt_ids, run.params, max_tokens=run.max_tokens, stop=stops,
             policy=make_policy(loaded, run.draft_max, run.draft_fixed),
@@ -192,14 +192,15 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(args=argv, prog_name="specchat", standalone_mode=False)
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         code = e.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         print("specchat: aborted", file=sys.stderr)
         code = 130
-    except click.ClickException as e:
-        # click's own message ("Invalid value for '--temp': ...") without its usage banner
-        print(f"specchat: error: {e.format_message()}", file=sys.stderr)
+    except typer.TyperException as e:
+        # the parser's own message ("Invalid value for '--temp': ...") without its usage banner
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        print(f"specchat: error: {' '.join(message.split())}", file=sys.stderr)
         code = 2
     except USER_ERRORS as e:
         print(f"specchat: error: {e}", file=sys.stderr)

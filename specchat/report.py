@@ -244,6 +244,28 @@ def stats_dict(stats: RunStats) -> dict:
     return {**stats.as_dict(), "position_tries": list(stats.position_tries), "position_hits": list(stats.position_hits)}
 
 
+def stats_from_dict(d: dict) -> RunStats:
+    """The inverse of stats_dict (report.json's per-run `stats`): re-aggregate a saved report."""
+    return RunStats(
+        steps=d["steps"], drafted=d["drafted"], accepted=d["accepted"], emitted=d["generated_tokens"],
+        draft_seconds=d["draft_seconds"], verify_seconds=d["verify_seconds"], prefill_seconds=d["prefill_seconds"],
+        generate_seconds=d["generate_seconds"], prompt_tokens=d["prompt_tokens"],
+        prompt_tokens_evaluated=d["prompt_tokens_evaluated"], position_tries=list(d["position_tries"]),
+        position_hits=list(d["position_hits"]),
+        accepted_lengths=Counter({int(k): v for k, v in d["accepted_length_histogram"].items()}),
+        draft_lengths=Counter({int(k): v for k, v in d["draft_lengths"].items()}),
+        rollback_recoveries=d.get("rollback_recoveries", 0),
+    )
+
+
+def record_from_dict(d: dict) -> RunRecord:
+    return RunRecord(
+        prompt_id=d["prompt_id"], category=d["category"], turn=d["turn"], setting=d["setting"], order=d["order"],
+        stats=stats_from_dict(d["stats"]), finish_reason=d.get("finish_reason", ""), text=d.get("text", ""),
+        sources=dict(d.get("sources", {})), matches_baseline=d.get("matches_baseline"),
+    )
+
+
 def record_from_events(events: Iterable, *, prompt_id: str, category: str, turn: int, setting: str, order: int) -> RunRecord:
     """Consume one `engine.generate` stream into a RunRecord (its RunStats is the stream's own)."""
     sources: Counter = Counter()
@@ -461,16 +483,18 @@ class TableSpec:
     columns: list[str]
     rows: list[list[str]]
     highlight: set[int] = field(default_factory=set)  # row indexes to emphasise (recommended settings)
-    sections: set[int] = field(default_factory=set)  # rows after which a separator goes
+    grouped: bool = False  # the first column is a category: the terminal shows it as a heading row
     note: str = ""
 
 
-def table_specs(agg: dict, *, categories: Sequence[str] | None = None,
-                max_positions: int | None = None) -> list[TableSpec]:
+def table_specs(agg: dict, *, categories: Sequence[str] | None = None, max_positions: int | None = None,
+                compact: bool = False) -> list[TableSpec]:
     """The report's tables as plain strings: recommendation, speed and acceptance, per-position
-    acceptance, accepted-length histogram. `categories` limits the detail tables (default: all + each)."""
+    acceptance, accepted-length histogram. `categories` limits the three detail tables (default: each
+    category, then all); `compact` (the terminal) leaves the try counts out of the position cells."""
     summary, rec, settings = agg["summary"], agg["recommended"], agg["settings"]
     cats = list(categories) if categories is not None else [*agg["categories"], ALL]
+    spec_settings = [s for s in settings if s != BASELINE]
     specs: list[TableSpec] = []
 
     rows = []
@@ -480,12 +504,11 @@ def table_specs(agg: dict, *, categories: Sequence[str] | None = None,
         rows.append([cat, str(summary[cat][BASELINE]["prompts"]), r["setting"], _times(r["speedup_end_to_end"]),
                      _times(r["speedup_generation"]), _pct(best["acceptance_rate"]), _num(best["mean_accepted_length"])])
     specs.append(TableSpec(
-        "Recommended setting (best measured end-to-end speedup)",
-        ["category", "prompts", "setting", "speedup e2e", "speedup gen", "acceptance", "τ"], rows,
-        highlight={len(rows) - 1}, sections={len(rows) - 2} if len(rows) > 1 else set(),
+        "Recommended setting per category (best measured end-to-end speedup)",
+        ["category", "prompts", "setting", "e2e ×", "gen ×", "acc.", "τ"], rows, highlight={len(rows) - 1},
     ))
 
-    rows, highlight, sections = [], set(), set()
+    rows, highlight = [], set()
     for cat in cats:
         for name in settings:
             row = summary[cat][name]
@@ -493,66 +516,76 @@ def table_specs(agg: dict, *, categories: Sequence[str] | None = None,
                 highlight.add(len(rows))
             rows.append([
                 cat, name, str(row["generated_tokens"]), _pct(row["acceptance_rate"]), _num(row["mean_accepted_length"]),
-                _num(row["baseline_tokens_per_second"], 1), _num(row["tokens_per_second"], 1),
-                _times(row["speedup_generation"]), _times(row["speedup_end_to_end"]), _pct(row["draft_share"]),
-                _times(row["projected_speedup"]),
+                _num(row["tokens_per_second"], 1), _times(row["speedup_generation"]), _times(row["speedup_end_to_end"]),
+                _pct(row["draft_share"]), _times(row["projected_speedup"]),
             ])
-        sections.add(len(rows) - 1)
     specs.append(TableSpec(
-        "Speed and acceptance",
-        ["category", "setting", "tokens", "acceptance", "τ", "target-only tok/s", "tok/s", "speedup gen",
-         "speedup e2e", "draft share", "projected*"],
-        rows, highlight, sections,
-        note="* projected: the speedup this acceptance would give where verifying k tokens costs about as much as "
-             "one (a GPU at batch 1): τ / (1 + c · drafted per step), c = draft cost per token / target cost per "
-             "token (0 for prompt lookup). Not measured.",
+        "Speed and acceptance (measured; target-only is the baseline row)",
+        ["category", "setting", "tokens", "acc.", "τ", "tok/s", "gen ×", "e2e ×", "draft", "proj.*"],
+        rows, highlight, grouped=True,
+        note="gen × / e2e ×: measured speedup, generation phase / prefill included. draft: drafting's share "
+             "of step time. * proj.: PROJECTED, not measured: the speedup this acceptance would give where "
+             "verifying k tokens costs about as much as one (a GPU at batch 1), τ / (1 + c · drafted per "
+             "step), c = draft cost per token / target-only cost per token (0 for prompt lookup).",
     ))
 
-    spec_settings = [s for s in settings if s != BASELINE]
     n_pos = max((len(summary[c][s]["per_position_acceptance"]) for c in cats for s in spec_settings), default=0)
     shown = n_pos if max_positions is None else min(n_pos, max_positions)
-    rows, sections = [], set()
+    rows = []
     for cat in cats:
         for name in spec_settings:
             row = summary[cat][name]
             acc, tries = row["per_position_acceptance"], row["position_tries"]
-            rows.append([cat, name, *[f"{acc[i]:.0%} ({tries[i]})" if i < len(acc) else "" for i in range(shown)]])
-        sections.add(len(rows) - 1)
+            cells = [("" if i >= len(acc) else f"{acc[i]:.0%}" if compact else f"{acc[i]:.0%} ({tries[i]})")
+                     for i in range(shown)]
+            rows.append([cat, name, *cells])
+    note = "" if compact else "cell: acceptance (steps that drafted that far)."
+    if shown < n_pos:
+        note += f" Positions beyond {shown}: report.md / report.json."
     specs.append(TableSpec(
-        "Per-position acceptance (steps that drafted > i tokens)",
-        ["category", "setting", *[str(i + 1) for i in range(shown)]], rows, set(), sections,
-        note=f"positions beyond {shown}: see report.json" if shown < n_pos else "",
+        "Per-position acceptance (draft i accepted / steps that drafted > i tokens)",
+        ["category", "setting", *[str(i + 1) for i in range(shown)]], rows, grouped=True, note=note.strip(),
     ))
 
     longest = max((int(k) for c in cats for s in spec_settings for k in summary[c][s]["accepted_length_histogram"]),
                   default=0)
-    rows, sections = [], set()
+    rows = []
     for cat in cats:
         for name in spec_settings:
             row = summary[cat][name]
             hist = row["accepted_length_histogram"]
             rows.append([cat, name, str(row["draft_lengths"].get("0", 0)),
                          *[str(hist.get(str(i), 0)) for i in range(longest + 1)]])
-        sections.add(len(rows) - 1)
     specs.append(TableSpec(
-        "Accepted-length histogram (steps by accepted drafts)",
-        ["category", "setting", "no draft", *[str(i) for i in range(longest + 1)]], rows, set(), sections,
-        note="'no draft' steps (nothing proposed) are also counted in column 0.",
+        "Accepted-length histogram (steps by number of drafts accepted)",
+        ["category", "setting", "no draft", *[str(i) for i in range(longest + 1)]], rows, grouped=True,
+        note="no draft: steps where nothing was proposed (also counted under 0).",
     ))
     return specs
 
 
 def rich_tables(specs: Sequence[TableSpec]):
+    """Rich tables for the terminal: narrow borders; a grouped table's categories become heading rows."""
+    from rich import box
     from rich.table import Table
 
     tables = []
     for spec in specs:
-        table = Table(title=spec.title, title_justify="left", caption=spec.note or None, caption_justify="left")
-        for i, column in enumerate(spec.columns):
-            table.add_column(column, justify="left" if i < 2 or column == "setting" else "right")
+        table = Table(title=spec.title, title_justify="left", caption=spec.note or None, caption_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, min_width=60)
+        columns = spec.columns[1:] if spec.grouped else spec.columns
+        for i, column in enumerate(columns):
+            table.add_column(column, justify="left" if column in ("category", "setting") else "right", no_wrap=i == 0)
+        current = None
         for i, row in enumerate(spec.rows):
-            table.add_row(*row, style="bold green" if i in spec.highlight else None,
-                          end_section=i in spec.sections and i != len(spec.rows) - 1)
+            if spec.grouped:
+                if row[0] != current:
+                    if current is not None:
+                        table.add_section()
+                    current = row[0]
+                    table.add_row(f"[bold]{current}[/]")
+                row = ["  " + row[1], *row[2:]]
+            table.add_row(*row, style="bold green" if i in spec.highlight else None)
         tables.append(table)
     return tables
 
@@ -562,11 +595,11 @@ def markdown_table(spec: TableSpec) -> str:
         return s.replace("|", "\\|")
 
     lines = [f"### {spec.title}", "", "| " + " | ".join(spec.columns) + " |",
-             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(spec.columns))) + "|"]
+             "|" + "|".join("---" if c in ("category", "setting") else "---:" for c in spec.columns) + "|"]
     for i, row in enumerate(spec.rows):
         cells = [cell(c) for c in row]
-        if i in spec.highlight:
-            cells = [f"**{c}**" if c else c for c in cells]
+        if i in spec.highlight:  # the recommended setting
+            cells = [f"**{c}**" if j == spec.columns.index("setting") else c for j, c in enumerate(cells)]
         lines.append("| " + " | ".join(cells) + " |")
     if spec.note:
         lines += ["", spec.note]
@@ -582,7 +615,8 @@ def render_markdown(doc: dict) -> str:
     head = [
         f"# specchat report: {doc['target']} drafted by {doc['drafter']}",
         "",
-        f"- created {doc['created']} on {doc['machine']['platform']} ({doc['machine']['cpu_count']} CPUs)",
+        f"- created {doc['created']} on {doc['machine']['platform']} ({doc['machine']['cpu_count']} CPUs, "
+        f"load average {doc['machine'].get('load_average')} at the end: other work on the machine skews timings)",
         f"- prompts: {doc['prompts']['count']} from {doc['prompts']['source']} "
         f"({', '.join(doc['categories'])}); {doc['prompts']['runs']} runs",
         f"- settings: {', '.join(doc['settings'])}; max tokens {p['max_tokens']}, temperature {p['temperature']}, "
@@ -610,6 +644,7 @@ def write_chart(doc: dict, path: Path) -> None:
     per category."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     summary, settings = doc["summary"], doc["settings"]
     fig = Figure(figsize=(12, 4.8), dpi=100)
@@ -625,6 +660,7 @@ def write_chart(doc: dict, path: Path) -> None:
     left.set_xlabel("draft position")
     left.set_ylabel("acceptance")
     left.set_ylim(0, 1.05)
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
     if any(summary[ALL][s]["per_position_acceptance"] for s in spec_settings):
         left.legend(fontsize="small")
 
@@ -660,6 +696,13 @@ def check_out_dir(out: Path) -> None:
         raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
 
 
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def build_doc(records: Sequence[RunRecord], *, target: str, drafter: str, drafter_kind: str | None,
               settings: Sequence[Setting], items: Sequence[PromptItem], source: str, params: SamplingParams,
               max_tokens: int, threads: int | None = None) -> dict:
@@ -668,7 +711,7 @@ def build_doc(records: Sequence[RunRecord], *, target: str, drafter: str, drafte
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_count": os.cpu_count(), "threads": threads},
+                    "cpu_count": os.cpu_count(), "threads": threads, "load_average": _load_average()},
         "target": target,
         "drafter": drafter,
         "drafter_kind": drafter_kind,
@@ -794,8 +837,8 @@ def report_command(
     paths = write_outputs(doc, out)
     console.print(f"[bold]{doc['target']}[/] drafted by [bold]{doc['drafter']}[/] · {len(items)} prompts · "
                   f"{len(records)} runs · max {run.max_tokens} tokens · temp {run.params.temperature}")
-    detail = table_specs(doc, max_positions=TERMINAL_POSITIONS)
-    overall = table_specs(doc, categories=[ALL], max_positions=TERMINAL_POSITIONS)
+    detail = table_specs(doc, max_positions=TERMINAL_POSITIONS, compact=True)
+    overall = table_specs(doc, categories=[ALL], max_positions=TERMINAL_POSITIONS, compact=True)
     for table in rich_tables(detail[:2] + overall[2:]):  # positions and histogram: overall rows only
         console.print(table)
     rec = doc["recommended"][ALL]
