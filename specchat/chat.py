@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -240,7 +242,7 @@ COMMANDS = {  # name: (argument, what it does)
     "/save": ("FILE", "write the transcript to FILE (continue it later with --resume FILE)"),
     "/exit": ("", "leave (also Ctrl-D, or Ctrl-C at an empty prompt)"),
 }
-KEYS = "Enter sends · Alt+Enter or Ctrl-J: new line · Tab completes /commands · Ctrl-C stops a reply · Ctrl-D exits"
+KEYS = "Enter sends · Alt+Enter (or Esc, Enter): new line · Tab completes /commands · Ctrl-C stops a reply · Ctrl-D exits"
 
 
 class ChatSession:
@@ -315,7 +317,8 @@ class ChatSession:
                         "stopped at the next 'User:'")
         if ui.colour_on(self.info):
             self.info.print(ui.legend())
-        self.info.print(Text(KEYS + " · /help", style="spec.legend"))
+        if self.live:
+            self.info.print(Text(KEYS + " · /help", style="spec.legend"))
         self.info.print(Text(f"transcript: {self.transcript.path}", style="spec.legend"))
 
     # -- one line of input ---------------------------------------------------------------------------
@@ -368,8 +371,8 @@ class ChatSession:
             try:
                 params = dataclasses.replace(self.params, temperature=float(arg))
                 params.check()
-            except ValueError as e:
-                self.notice(f"/temp takes a number ≥ 0 ({e})" if arg else "/temp takes a number ≥ 0", "spec.error")
+            except ValueError:
+                self.notice(f"/temp takes a number ≥ 0, not {arg!r}" if arg else "/temp takes a number ≥ 0", "spec.error")
                 return
             self.params = params
             self.notice(f"temperature {params.temperature:g}" + (" (greedy)" if params.greedy else ""))
@@ -422,7 +425,8 @@ class ChatSession:
         view = self._view()
         finished: Finished | None = None
         try:
-            finished = ui.show(events, view)
+            with no_echo():
+                finished = ui.show(events, view)
         except KeyboardInterrupt:
             # the generator's finally cuts the target's cache back to prompt + the tokens we saw
             events.close()
@@ -434,7 +438,7 @@ class ChatSession:
             reply, ids, reason, stats = finished.text, finished.token_ids, finished.finish_reason, finished.stats
         else:
             reply, ids, reason = view.text, list(view.token_ids), "interrupted"
-            stats = view.totals or RunStats(prompt_tokens=len(prepared.ids))
+            stats = view.totals or RunStats(prompt_tokens=len(prepared.ids), emitted=len(ids))
             if not ids:
                 # stopped before the first token: the message is not kept (the transcript's unanswered
                 # user line is skipped by --resume); the cache's extra prompt tokens are cut at next sync
@@ -460,7 +464,7 @@ class ChatSession:
             "generated": len(ids),
             "finish_reason": reason,
         })
-        self.info.print(ui.summary_line(stats, reason, self.drafter_label))
+        self.info.print(ui.summary_line(stats, reason, self.drafter_label), soft_wrap=True)
         if self.show_stats:
             self.info.print(ui.breakdown(stats))
 
@@ -479,6 +483,30 @@ class ChatSession:
 
 
 # -- input -----------------------------------------------------------------------------------------
+
+
+@contextmanager
+def no_echo(stream=None):
+    """While a reply streams, keys typed ahead are not echoed into it (the terminal still buffers them
+    for the next prompt, and Ctrl-C still interrupts)."""
+    stream = stream if stream is not None else sys.stdin
+    try:
+        import termios
+
+        fd = stream.fileno()
+        if not os.isatty(fd):
+            raise OSError
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def prompt_reader(no_color: bool) -> Callable[[], str]:
@@ -508,12 +536,14 @@ def prompt_reader(no_color: bool) -> Callable[[], str]:
 
     keys = KeyBindings()
 
+    # Enter sends. Ctrl-J (a bare newline) sends too: what was typed ahead while the model loaded
+    # arrives with Enter turned into newline by the terminal's cooked mode.
     @keys.add("enter")
+    @keys.add("c-j")
     def _send(event):
         event.current_buffer.validate_and_handle()
 
-    @keys.add("escape", "enter")
-    @keys.add("c-j")
+    @keys.add("escape", "enter")  # Alt+Enter, or Esc then Enter
     def _newline(event):
         event.current_buffer.insert_text("\n")
 
@@ -601,7 +631,7 @@ def chat_command(
 
     Replies stream coloured by where each token came from (legend at the start), above a live footer: tokens/s, acceptance, tokens per step, current draft length. Both KV caches are kept between turns, so a turn evaluates only its new tokens; when the context fills, the oldest exchanges are dropped, with a notice.
 
-    Keys: Enter sends; Alt+Enter (or Esc then Enter, or Ctrl-J) starts a new line; Tab completes /commands; Ctrl-C stops a reply, and at an empty prompt exits, as Ctrl-D does. Commands: /help /reset /stats /draft N /temp X /spec on|off /system TEXT /save FILE /exit.
+    Keys: Enter sends; Alt+Enter (or Esc then Enter) starts a new line; Tab completes /commands; Ctrl-C stops a reply, and at an empty prompt exits, as Ctrl-D does. Commands: /help /reset /stats /draft N /temp X /spec on|off /system TEXT /save FILE /exit.
 
     The chat template comes from the target's GGUF metadata; a model without one (a base model such as gemma-3-270m) gets a plain "User: / Assistant:" transcript. Each message is appended to a JSONL transcript in $XDG_DATA_HOME/specchat/transcripts as soon as it is final; --resume FILE continues one.
     """

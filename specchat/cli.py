@@ -3,6 +3,7 @@ engine generates, the view shows, the report aggregates. Nothing here touches a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from contextlib import contextmanager
@@ -51,6 +52,7 @@ def prompt(
     presence_penalty: opt.PresencePenalty = 0.0,
     seed: opt.Seed = None,
     stop: opt.Stop = None,
+    ignore_eos: opt.IgnoreEos = False,
     draft_max: opt.DraftMax = None,
     draft_min: opt.DraftMin = 0,
     draft_p_min: opt.DraftPMin = 0.75,
@@ -91,6 +93,8 @@ def prompt(
             rendered = render(loaded.target, messages)
             prompt_ids, stops = rendered.token_ids, rendered.stop + list(stop or [])
         check_fits(prompt_ids, loaded)
+        if ignore_eos:
+            run.params = dataclasses.replace(run.params, banned=loaded.target.eog_tokens())
         events = generate(
             loaded.target, loaded.drafter, prompt_ids, run.params, max_tokens=run.max_tokens, stop=stops,
             policy=make_policy(loaded, run.draft_max, run.draft_fixed),
@@ -115,20 +119,6 @@ def prompt(
             if show_stats and finished is not None:
                 err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
                 err.print(ui.breakdown(finished.stats))
-
-
-def stream_plain(events) -> Finished | None:
-    out = sys.stdout
-    finished = None
-    for event in events:
-        if isinstance(event, TokenEvent):
-            out.write(event.text)
-            out.flush()
-        elif isinstance(event, Finished):
-            finished = event
-            out.write(event.tail + "\n")
-            out.flush()
-    return finished
 
 
 def print_json(events, loaded: Loaded, run: RunOptions) -> Finished:

@@ -60,6 +60,8 @@ class DraftModel:
         return cls(backend, **kw)
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
+        if len(prompt_ids) >= self.backend.n_ctx:
+            return  # the prompt alone fills the draft's context: propose() will decline to draft
         sync(self.backend, prompt_ids[:-1], logits_last=False)
 
     def room(self) -> int:

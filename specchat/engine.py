@@ -108,6 +108,9 @@ def generate(
     gen_started = time.perf_counter()
     try:
         while finish is None:
+            if len(generated) >= max_tokens:
+                finish = "length"
+                break
             room = target.n_ctx - len(context)
             if room <= 0:
                 finish = "context"

@@ -91,3 +91,7 @@ Threads = Annotated[
     int | None, typer.Option("-t", "--threads", min=1, help="CPU threads (default: all cores up to 4, else half).", rich_help_panel=HARDWARE)
 ]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colour (also when NO_COLOR is set).", rich_help_panel=OUTPUT)]
+IgnoreEos = Annotated[
+    bool,
+    typer.Option("--ignore-eos", help="Never end at an end-of-generation token (benchmarks: fixed lengths).", rich_help_panel=SAMPLING),
+]

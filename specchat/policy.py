@@ -158,8 +158,14 @@ class Acceptance:
     tries: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITION))
 
     def rates(self, n: int) -> np.ndarray:
-        idx = np.minimum(np.arange(n), MAX_POSITION - 1)
-        return (self.hits[idx] + self.prior_hits) / (self.tries[idx] + self.prior_tries)
+        per_position = (self.hits + self.prior_hits) / (self.tries + self.prior_tries)
+        # A position never reached yet borrows the estimate of the one before it: along a copied span
+        # acceptance stays about flat, and falling back to the prior would cap drafts at what has been seen.
+        seen = self.tries >= 0.5
+        for i in range(1, MAX_POSITION):
+            if not seen[i] and seen[:i].any():
+                per_position[i] = per_position[i - 1]
+        return per_position[np.minimum(np.arange(n), MAX_POSITION - 1)]
 
     def record(self, accepted: int, tried: int) -> None:
         """Positions 0..tried-1 were checked; the first `accepted` of them were kept."""
@@ -175,14 +181,14 @@ class Acceptance:
 
 
 def best_length(a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: float = 0.0) -> tuple[int, float]:
-    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost): (n, tokens per second)."""
+    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost): (n, tokens per second).
+    Within 1% of the best, the shortest draft wins: the same speed for less work."""
     expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
-    best_n, best_rate = 0, expected[0] / verify_cost(1)
-    for n in range(1, len(a) + 1):
-        rate = expected[n] / (verify_cost(n + 1) + n * draft_cost_per_token)
-        if rate > best_rate * 1.01:  # ties go to less drafting: same speed, less work
-            best_n, best_rate = n, rate
-    return best_n, best_rate
+    n = np.arange(len(a) + 1)
+    cost = np.array([verify_cost(int(m) + 1) for m in n]) + n * draft_cost_per_token
+    rates = expected / cost
+    best = int(np.flatnonzero(rates >= rates.max() / 1.01)[0])
+    return best, float(rates[best])
 
 
 class AdaptivePolicy:
@@ -237,25 +243,31 @@ class AdaptivePolicy:
         self.verify_cost.update(step.drafted + 1, step.verify_seconds)
         if self.draft_cost is not None and step.drafted > 0:
             self.draft_cost.update(1, step.draft_seconds / step.drafted)
-        self._check_shadow(emitted)
         if self.kind != "prompt-lookup":
             self.model_acceptance.record(step.accepted, step.drafted)
             return
-        if not proposed or self._features is None:
+        features, self._features = self._features, None
+        if not proposed or features is None:
+            self._check_shadow(emitted)
             return
-        stats = self._lookup_stats(self._features)
-        stats.record(step.accepted, step.drafted)
         if step.drafted:
+            # a real verification supersedes any shadow over the same tokens
+            self._lookup_stats(features).record(step.accepted, step.drafted)
             self.last_lookup_ok = int(step.accepted > 0)
-        # tokens proposed but not verified: learn from them for free by comparing with what the
-        # target emits next (for a one-hot proposal that match has exactly the acceptance probability)
-        if step.accepted == step.drafted and len(proposed) > step.drafted:
-            self._shadow = list(proposed[step.drafted :])
-            self._shadow_key = self._features
-            self._shadow_offset = step.drafted
-            # the step's own last token is the first check of the tail
-            self._check_shadow(emitted[step.accepted :])
-        self._features = None
+            self._shadow = []
+        else:
+            overlap = min(len(proposed), len(self._shadow))
+            if self._shadow and list(proposed[:overlap]) == self._shadow[:overlap]:
+                # the span being followed, proposed again: keep following the older shadow, which is
+                # further along, rather than counting the same tokens twice
+                self._check_shadow(emitted)
+                return
+        # Tokens proposed but not verified teach the policy for free: compare them with what the target
+        # emits next. For a one-hot proposal a match has exactly the acceptance probability.
+        tail = list(proposed[step.drafted :])
+        if step.accepted == step.drafted and tail:
+            self._shadow, self._shadow_key, self._shadow_offset = tail, features, step.drafted
+            self._check_shadow(emitted[step.accepted :])  # the step's own last token checks the tail's first
 
     def _check_shadow(self, emitted: Sequence[int]) -> None:
         if not self._shadow or self._shadow_key is None:

@@ -465,6 +465,15 @@ def warm_up(target, drafter, item: PromptItem, settings: Sequence[Setting], para
 # -- rendering ---------------------------------------------------------------------------------------
 
 
+def usage_hint(setting: str) -> str:
+    """How to run with a recommended setting."""
+    if setting == BASELINE:
+        return "--no-spec"
+    if setting == POLICY:
+        return "the default (adaptive policy)"
+    return f"--draft-fixed {setting.removeprefix('k=')}"
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:.0%}"
 
@@ -610,7 +619,8 @@ def render_markdown(doc: dict) -> str:
     agg = doc
     p = doc["params"]
     rec = doc["recommended"][ALL]
-    verdict = (f"**{rec['setting']}** ({_times(rec['speedup_end_to_end'])} end-to-end)" if rec["worth_it"]
+    verdict = (f"**{rec['setting']}** ({_times(rec['speedup_end_to_end'])} end-to-end; "
+               f"run with {usage_hint(rec['setting'])})" if rec["worth_it"]
                else "**target-only**: no setting beat plain decoding on this machine")
     head = [
         f"# specchat report: {doc['target']} drafted by {doc['drafter']}",
@@ -844,7 +854,8 @@ def report_command(
     rec = doc["recommended"][ALL]
     if rec["worth_it"]:
         console.print(f"Recommended overall: [bold green]{rec['setting']}[/] "
-                      f"({_times(rec['speedup_end_to_end'])} end-to-end, {_times(rec['speedup_generation'])} generation)")
+                      f"({_times(rec['speedup_end_to_end'])} end-to-end, {_times(rec['speedup_generation'])} "
+                      f"generation; run with {usage_hint(rec['setting'])})")
     else:
         console.print("Recommended overall: [bold]target-only[/] — no setting beat plain decoding on this machine")
     for kind, path in paths.items():

@@ -60,8 +60,8 @@ SOURCE_STYLE = {
 
 LEGEND_ITEMS = (
     ("accepted", "accepted draft"),
-    ("resampled", "resampled (target's correction)"),
-    ("bonus", "bonus (whole draft accepted)"),
+    ("resampled", "resampled by the target"),
+    ("bonus", "bonus (all accepted)"),
     ("target", "target only"),
 )
 
@@ -127,7 +127,7 @@ def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "") -
     parts = [
         f"{stats.emitted} tokens",
         f"{tps:.1f} tok/s",
-        f"accepted {_pct(stats.acceptance_rate)} ({stats.accepted}/{stats.drafted} drafted)",
+        f"accepted {_pct(stats.acceptance_rate)} of {stats.drafted}" if stats.drafted else "nothing drafted",
         f"{tau:.2f} tokens/step",
         f"prompt {stats.prompt_tokens} ({stats.prompt_tokens_evaluated} evaluated)",
     ]
@@ -177,6 +177,7 @@ class PlainView:
     def __init__(self, file: TextIO):
         self.file = file
         self.finished: Finished | None = None
+        self.totals: RunStats | None = None
         self.parts: list[str] = []
         self.token_ids: list[int] = []
 
@@ -194,8 +195,11 @@ class PlainView:
                 self.parts.append(event.text)
                 self.file.write(event.text)
                 self.file.flush()
+        elif isinstance(event, StepEvent):
+            self.totals = event.totals
         elif isinstance(event, Finished):
             self.finished = event
+            self.totals = event.stats
             if event.tail:
                 self.parts.append(event.tail)
                 self.file.write(event.tail)

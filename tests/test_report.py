@@ -276,6 +276,8 @@ def test_projection_formula_and_recommend_tie_breaks():
             "k=4": {"speedup_end_to_end": 1.3, "speedup_generation": 1.6},
             "policy": {"speedup_end_to_end": None, "speedup_generation": None}}
     assert rp.recommend(rows)["setting"] == "k=2"
+    assert [rp.usage_hint(s) for s in ("k=4", "policy", "target-only")] == [
+        "--draft-fixed 4", "the default (adaptive policy)", "--no-spec"]
 
 
 def test_saved_runs_reaggregate_to_the_same_summary():
@@ -311,7 +313,7 @@ def test_run_report_alternates_order_resets_caches_and_continues_with_the_baseli
     n_vocab = 26
     table = np.full((n_vocab, n_vocab), -5.0)
     for t in range(n_vocab):
-        table[t, (t + 1) % 20] = 5.0  # a cycle the prompt-lookup drafter can learn
+        table[t, (t + 1) % 5] = 5.0  # a short cycle: prompt lookup finds it after a few tokens
     target = FakeBackend(markov_logits(table), n_vocab)
     drafter = PromptLookup(1, 3)
     seen_messages = []
@@ -334,6 +336,7 @@ def test_run_report_alternates_order_resets_caches_and_continues_with_the_baseli
         ("two", 0, "policy", 0), ("two", 0, "k=3", 1), ("two", 0, "target-only", 2),
         ("two", 1, "policy", 0), ("two", 1, "k=3", 1), ("two", 1, "target-only", 2),
     ]
+    assert len(started) == len(records)
     assert target.truncations.count(0) >= len(records)  # every run prefilled from an empty cache
     base = {(r.prompt_id, r.turn): r for r in records if r.setting == "target-only"}
     for r in records:
@@ -359,7 +362,8 @@ def test_outputs_written_json_markdown_png(tmp_path):
     items = [rp.PromptItem("p1", "a", ("x",)), rp.PromptItem("p2", "b", ("y",))]
     doc = rp.build_doc(hand_records(), target="T", drafter="D", drafter_kind="draft-model", settings=settings,
                        items=items, source="test", params=SamplingParams(temperature=0.0, seed=0), max_tokens=8)
-    paths = rp.write_outputs(doc, tmp_path / "out") if (tmp_path / "out").mkdir() is None else None
+    (tmp_path / "out").mkdir()
+    paths = rp.write_outputs(doc, tmp_path / "out")
     saved = json.loads(paths["json"].read_text())
     assert saved["schema"] == rp.SCHEMA and len(saved["runs"]) == 4
     assert saved["summary"]["all"]["k=2"]["generated_tokens"] == 8

@@ -1,0 +1,188 @@
+"""The draft-length policy: cost model, acceptance estimates, and the choice of k (0 included)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specchat.drafters import PromptLookup
+from specchat.engine import Finished, generate
+from specchat.policy import (
+    AdaptivePolicy,
+    CostModel,
+    FixedPolicy,
+    best_length,
+    cached_cost_model,
+    cost_cache_key,
+)
+from specchat.sampling import SamplingParams
+from specchat.stats import StepStats
+
+from fakes import FakeBackend, script_logits
+
+# SmolLM2-135M on 2 CPU cores (DESIGN.md section 3): verifying 8 tokens costs ~4.6x one token
+CPU = CostModel([1, 2, 4, 8, 16], [0.015, 0.025, 0.038, 0.069, 0.101])
+# a GPU at batch 1: verifying 8 costs about as much as 1
+GPU = CostModel([1, 2, 4, 8, 16], [0.020, 0.0202, 0.0205, 0.021, 0.022])
+
+
+def step(drafted: int, accepted: int, verify: float = 0.0, draft: float = 0.0) -> StepStats:
+    emitted = accepted + 1
+    return StepStats(step=0, drafted=drafted, accepted=accepted, emitted=emitted,
+                     draft_seconds=draft, verify_seconds=verify)
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    assert CPU(1) == pytest.approx(0.015)
+    assert CPU(3) == pytest.approx((0.025 + 0.038) / 2)
+    assert CPU(12) == pytest.approx((0.069 + 0.101) / 2)
+    slope = (0.101 - 0.069) / 8
+    assert CPU(20) == pytest.approx(0.101 + 4 * slope)
+    assert CPU(0) == 0.0
+
+
+def test_cost_model_follows_the_machine_online_but_not_one_stall():
+    model = CostModel([1, 2], [0.01, 0.02])
+    for _ in range(60):
+        model.update(1, 0.02)  # the machine got twice as slow
+    assert model(1) == pytest.approx(0.02, rel=0.01)
+    before = model.scale
+    model.update(2, 100.0)  # one 100 s stall moves the scale by at most weight * 4x
+    assert model.scale <= before * 0.9 + 0.1 * 4.0 + 1e-9
+
+
+def test_best_length_cpu_needs_high_acceptance_gpu_does_not():
+    # 60% per-position acceptance: worth drafting on a GPU, a loss on this CPU
+    a = np.full(8, 0.6)
+    n_cpu, rate_cpu = best_length(a, CPU)
+    n_gpu, rate_gpu = best_length(a, GPU)
+    assert n_cpu == 0 and rate_cpu == pytest.approx(1 / 0.015)
+    assert n_gpu >= 3
+    expected = 1 + sum(0.6 ** j for j in range(1, n_gpu + 1))
+    assert rate_gpu == pytest.approx(expected / GPU(n_gpu + 1))
+    # a copied span (97% per position) pays even on the CPU, and long
+    n, rate = best_length(np.full(16, 0.97), CPU)
+    assert n >= 8 and rate > 1.5 / 0.015
+
+
+def test_best_length_is_exactly_the_argmax_of_the_formula():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = rng.uniform(0.3, 1.0, size=10)
+        n, rate = best_length(a, CPU)
+        rates = [(1 + np.cumprod(a)[:m].sum()) / CPU(m + 1) for m in range(11)]
+        assert rates[n] >= max(rates) / 1.01 - 1e-12
+        assert rate == pytest.approx(rates[n])
+
+
+def test_draft_model_as_costly_as_the_target_is_never_used():
+    """A self-pair on a CPU: each draft token costs a full target token, so no k can win."""
+    policy = AdaptivePolicy(CPU, kind="draft-model", draft_max=16, draft_cost=CostModel([1, 2], [0.015, 0.025]))
+    for _ in range(5):
+        policy.observe(step(4, 4), [1, 2, 3, 4], [1, 2, 3, 4, 5])  # even when everything is accepted
+    assert policy.plan(16) == 0
+
+
+def test_cheap_draft_model_is_used_while_it_is_accepted_and_dropped_when_not():
+    cheap = CostModel([1, 2], [0.002, 0.004])  # a draft token costs a tenth of a target token
+    policy = AdaptivePolicy(GPU, kind="draft-model", draft_max=8, draft_cost=cheap)
+    assert policy.plan(8) > 0  # optimistic prior: try it
+    for _ in range(40):
+        policy.observe(step(policy.plan(8), 0), [1], [9])  # every first draft rejected
+    assert policy.plan(8) == 0
+    assert policy.plan(0) == 0
+
+
+def test_lookup_trim_learns_from_real_verifications():
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=16)
+    proposal = list(range(10, 22))
+    assert policy.plan(16) == 16  # lookup is free: always look, then trim
+    assert policy.trim(proposal, confidence=4) == 0  # prior alone does not pay on this CPU
+    for _ in range(30):  # spans copied from the prompt, always accepted whole
+        n = max(policy.trim(proposal, confidence=4), 0)
+        if n == 0:
+            # drafting nothing: the shadow check sees the target emit the proposal's first token
+            policy.observe(step(0, 0), proposal, [proposal[0]])
+        else:
+            policy.observe(step(n, n), proposal, proposal[: n + 1])
+    # on this cost curve the rate is flat past ~4 tokens (within 1%), and the shortest such draft wins
+    assert policy.trim(proposal, confidence=4) >= 4
+    for _ in range(30):  # the text moved on: the same kind of match is now rejected at once
+        n = policy.trim(proposal, confidence=4)
+        policy.observe(step(n, 0), proposal, [999])
+    assert policy.trim(proposal, confidence=4) == 0
+
+
+def test_shadow_learning_turns_drafting_on_without_ever_drafting():
+    """With k = 0 the proposals are still checked against what the target emits: when they keep
+    coming true, the policy starts drafting."""
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=16)
+    text = list(range(100, 160))
+    drafted_at = None
+    for i in range(40):
+        proposal = text[i : i + 12]
+        n = policy.trim(proposal, confidence=3)
+        if n:
+            drafted_at = i
+            break
+        policy.observe(step(0, 0), proposal, [text[i]])
+    assert drafted_at is not None and drafted_at < 30
+
+
+def test_shadow_does_not_count_a_repeated_span_twice():
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=16)
+    text = list(range(100, 120))
+    for i in range(5):
+        proposal = text[i : i + 8]
+        policy.trim(proposal, confidence=2)
+        policy.observe(step(0, 0), proposal, [text[i]])
+    key = (2, 2)
+    stats = policy.lookup[key]
+    # one span followed for 5 tokens: one check at each of positions 0..4, not five at position 0
+    assert list(stats.tries[:5]) == [1, 1, 1, 1, 1]
+    assert list(stats.hits[:5]) == [1, 1, 1, 1, 1]
+
+
+def test_fixed_policy():
+    assert FixedPolicy(6).plan(4) == 4
+    assert FixedPolicy(6).plan(10) == 6
+    assert FixedPolicy(0).plan(10) == 0
+    assert FixedPolicy(6).trim([1, 2, 3], 0.0) == 3
+
+
+def test_cost_cache_round_trip(tmp_path):
+    backend = FakeBackend(lambda ctx: np.zeros(8, dtype=np.float32), 8, name="fake-model")
+    backend.eval([1, 2, 3], [])
+    cache = tmp_path / "costs.json"
+    first = cached_cost_model(backend, cache)
+    assert backend.tokens == [1, 2, 3]  # calibration rolled itself back
+    table = json.loads(cache.read_text())
+    assert cost_cache_key(backend) in table
+    assert all(b >= a for a, b in zip(first.seconds, first.seconds[1:]))  # monotone
+    evaluated = backend.evaluated
+    second = cached_cost_model(backend, cache)
+    assert backend.evaluated == evaluated  # read from the cache: nothing measured
+    assert second.seconds == first.seconds
+
+
+def test_engine_with_adaptive_policy_stays_lossless_and_records_draft_lengths():
+    """Copy-heavy text through the real engine: the policy changes k, never the tokens."""
+    vocab = 32
+    wanted = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 9, 10, 11, 12]
+    logits = script_logits(vocab, len(prompt), wanted)
+    target = FakeBackend(logits, vocab, n_ctx=512)
+    reference = FakeBackend(logits, vocab, n_ctx=512)
+    policy = AdaptivePolicy(GPU, kind="prompt-lookup", draft_max=8)
+    greedy = SamplingParams(temperature=0.0)
+    events = list(generate(target, PromptLookup(1, 4), prompt, greedy, max_tokens=40, policy=policy))
+    plain = list(generate(reference, None, prompt, greedy, max_tokens=40))
+    finished, baseline = events[-1], plain[-1]
+    assert isinstance(finished, Finished) and isinstance(baseline, Finished)
+    assert finished.token_ids == baseline.token_ids == wanted[:40]
+    stats = finished.stats
+    assert sum(stats.draft_lengths.values()) == stats.steps
+    assert stats.steps < baseline.stats.steps  # drafting happened and paid in steps
+    assert max(stats.draft_lengths) <= 8

