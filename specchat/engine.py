@@ -166,6 +166,7 @@ def generate(
                 drafted=len(drafts),
                 accepted=n_accepted,
                 emitted=len(emitted),
+                decided=len(emitted) + (finish == "eog"),
                 draft_seconds=t1 - t0,
                 verify_seconds=t2 - t1,
                 planned=k,

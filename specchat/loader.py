@@ -41,6 +41,18 @@ class Loaded:
     draft_spec: ModelSpec | None  # None for prompt lookup and for no drafter
     drafter_label: str  # "prompt-lookup", a draft model name, or "none"
 
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` in the target's chat template (or the fallback for base models)."""
+        from .template import render
+
+        return render(self.target, messages).token_ids
+
+    def policy(self, draft_max: int = 16, draft_fixed: int | None = None):
+        """The draft-length policy the CLI would use (adaptive unless draft_fixed is given)."""
+        from .policy import make_policy
+
+        return make_policy(self, draft_max, draft_fixed)
+
     def close(self) -> None:
         for backend in (self.target, getattr(self.drafter, "backend", None)):
             close = getattr(backend, "close", None)

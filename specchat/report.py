@@ -248,6 +248,7 @@ def stats_from_dict(d: dict) -> RunStats:
     """The inverse of stats_dict (report.json's per-run `stats`): re-aggregate a saved report."""
     return RunStats(
         steps=d["steps"], drafted=d["drafted"], accepted=d["accepted"], emitted=d["generated_tokens"],
+        decided=d.get("decided_tokens", d["generated_tokens"]),
         draft_seconds=d["draft_seconds"], verify_seconds=d["verify_seconds"], prefill_seconds=d["prefill_seconds"],
         generate_seconds=d["generate_seconds"], prompt_tokens=d["prompt_tokens"],
         prompt_tokens_evaluated=d["prompt_tokens_evaluated"], position_tries=list(d["position_tries"]),

@@ -24,6 +24,8 @@ class StepStats:
     verify_seconds: float
     # length the policy asked for before the drafter ran (a prompt-lookup miss drafts fewer)
     planned: int = 0
+    # tokens the step decided: `emitted` plus an end-of-generation token that ended it (not shown)
+    decided: int | None = None
 
 
 @dataclass
@@ -34,6 +36,7 @@ class RunStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    decided: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -51,6 +54,7 @@ class RunStats:
         self.drafted += s.drafted
         self.accepted += s.accepted
         self.emitted += s.emitted
+        self.decided += s.emitted if s.decided is None else s.decided
         self.draft_seconds += s.draft_seconds
         self.verify_seconds += s.verify_seconds
         while len(self.position_tries) < s.drafted:
@@ -64,7 +68,7 @@ class RunStats:
         self.draft_lengths[s.drafted] += 1
 
     def merge(self, other: RunStats) -> None:
-        for name in ("steps", "drafted", "accepted", "emitted", "draft_seconds", "verify_seconds",
+        for name in ("steps", "drafted", "accepted", "emitted", "decided", "draft_seconds", "verify_seconds",
                      "prefill_seconds", "generate_seconds", "prompt_tokens", "prompt_tokens_evaluated",
                      "rollback_recoveries"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -83,8 +87,9 @@ class RunStats:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """tau: tokens emitted per verify step, the target's own token included (plain decoding = 1.0)."""
-        return self.emitted / self.steps if self.steps else None
+        """tau: tokens decided per verify step, the target's own token included (plain decoding = 1.0).
+        A final end-of-generation token counts: the step did produce it."""
+        return self.decided / self.steps if self.steps else None
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -111,6 +116,7 @@ class RunStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "generated_tokens": self.emitted,
+            "decided_tokens": self.decided,  # generated + a final end-of-generation token
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "per_position_acceptance": self.per_position_acceptance,

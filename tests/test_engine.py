@@ -167,7 +167,9 @@ def test_multi_step_stats_and_truncations(params):
     st = fin.stats
     assert (st.steps, st.drafted, st.accepted, st.emitted) == (4, 8, 5, 8)
     assert st.per_position_acceptance == [2 / 3, 1.0, 0.5, 0.0]
-    assert st.acceptance_rate == 5 / 8 and st.mean_accepted_length == 2.0
+    # tau counts the EOG the last step decided: 8 shown + 1 EOG over 4 steps
+    assert st.decided == 9
+    assert st.acceptance_rate == 5 / 8 and st.mean_accepted_length == 9 / 4
     assert dict(st.accepted_lengths) == {3: 1, 0: 2, 2: 1}
     assert dict(st.draft_lengths) == {3: 1, 1: 1, 4: 1, 0: 1}
     assert st.prompt_tokens == P and st.prompt_tokens_evaluated == P
