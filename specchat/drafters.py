@@ -123,17 +123,25 @@ class PromptLookup:
 
     def find(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """(continuation of up to k tokens, matched n-gram length), longest match first, latest first."""
-        ids = np.asarray(context, dtype=np.int64)
-        n_ctx = len(ids)
-        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            pattern = ids[-n:]
-            # windows that start at 0 .. n_ctx-n-1 (the suffix itself excluded)
-            windows = sliding_window_view(ids[:-1], n)
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return ids[start : start + k].tolist(), n
-        return [], 0
+        ids = context if isinstance(context, np.ndarray) else np.asarray(context, dtype=np.int64)
+        end = len(ids) - 1
+        if end < self.min_ngram:
+            return [], 0
+        # positions p < end where ids[p] == ids[end] (match length >= 1), then extend each backwards
+        # on the survivors only: one pass over the context instead of one per n-gram length
+        starts = np.flatnonzero(ids[:end] == ids[end])
+        length = 1
+        best = starts
+        while len(starts) and length < self.max_ngram:
+            starts = starts[starts >= length]
+            starts = starts[ids[starts - length] == ids[end - length]]
+            if len(starts):
+                length += 1
+                best = starts
+        if len(best) == 0 or length < self.min_ngram:
+            return [], 0
+        start = int(best[-1]) + 1
+        return ids[start : start + k].tolist(), length
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         if k <= 0:

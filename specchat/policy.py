@@ -71,14 +71,33 @@ class CostModel:
     seconds: list[float]
     scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        # base cost of every batch size up to 64, computed once: the policy asks for them every step
+        n = np.arange(65, dtype=np.float64)
+        table = np.interp(n, self.sizes, self.seconds)
+        if len(self.sizes) > 1:  # past the last calibrated size, extend with the last slope
+            slope = (self.seconds[-1] - self.seconds[-2]) / (self.sizes[-1] - self.sizes[-2])
+            beyond = n > self.sizes[-1]
+            table[beyond] = self.seconds[-1] + slope * (n[beyond] - self.sizes[-1])
+        table[0] = 0.0
+        self._table = table
+
     def __call__(self, n: int) -> float:
         if n <= 0:
             return 0.0
-        base = float(np.interp(n, self.sizes, self.seconds))
-        if n > self.sizes[-1]:  # extrapolate with the last slope
-            slope = (self.seconds[-1] - self.seconds[-2]) / (self.sizes[-1] - self.sizes[-2])
-            base = self.seconds[-1] + slope * (n - self.sizes[-1])
-        return base * self.scale
+        return float(self.costs(n)[n]) if n < len(self._table) else float(self._extend(n)) * self.scale
+
+    def costs(self, n_max: int) -> np.ndarray:
+        """Seconds for batch sizes 0..n_max (index = size)."""
+        if n_max < len(self._table):
+            return self._table[: n_max + 1] * self.scale
+        return np.array([self._extend(m) for m in range(n_max + 1)]) * self.scale
+
+    def _extend(self, n: int) -> float:
+        if n < len(self._table):
+            return float(self._table[n])
+        slope = self._table[-1] - self._table[-2]
+        return float(self._table[-1] + slope * (n - len(self._table) + 1))
 
     def update(self, n: int, seconds: float, weight: float = 0.1) -> None:
         expected = float(np.interp(n, self.sizes, self.seconds))
@@ -185,7 +204,7 @@ def best_length(a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: flo
     Within 1% of the best, the shortest draft wins: the same speed for less work."""
     expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
     n = np.arange(len(a) + 1)
-    cost = np.array([verify_cost(int(m) + 1) for m in n]) + n * draft_cost_per_token
+    cost = verify_cost.costs(len(a) + 1)[1:] + n * draft_cost_per_token  # verify n drafts + 1
     rates = expected / cost
     best = int(np.flatnonzero(rates >= rates.max() / 1.01)[0])
     return best, float(rates[best])
