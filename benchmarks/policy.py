@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m,gemma-3-270m")
     parser.add_argument("--drafters", default="prompt-lookup,self")
     parser.add_argument("--fixed", default="4,8")
+    parser.add_argument("--reps", type=int, default=2, help="rounds over every setting per prompt (median kept)")
     a = parser.parse_args()
 
     items, _ = load_prompts(None)
@@ -72,7 +73,7 @@ def main() -> None:
     chosen = [item for cat in by_cat.values() for item in cat]
     print(f"# policy benchmark · {time.strftime('%Y-%m-%d %H:%M')} · {platform.processor() or platform.machine()} · "
           f"{os.cpu_count()} cores · threads {a.threads} · -n {a.n} --ignore-eos · greedy · "
-          f"{len(chosen)} prompts ({a.per_category} per category)")
+          f"{len(chosen)} prompts ({a.per_category} per category) · {a.reps} rotating rounds, median")
     config = load_config()
     for model in a.models.split(","):
         path = resolve(config.model(model))
@@ -93,19 +94,24 @@ def main() -> None:
             accept: dict[str, list[float]] = defaultdict(list)
             for i, item in enumerate(chosen):
                 ids = prompt_ids(target, item.turns[0])
-                names = list(settings)
-                names = names[i % len(names):] + names[: i % len(names)]  # rotate who goes first
-                for name in names:
-                    setting = settings[name]
-                    if setting is None:
-                        speed, _, _ = timed_run(target, None, ids, FixedPolicy(0), a.n)
-                    elif setting == "policy":
-                        # a fresh policy per prompt: what one `specchat prompt` run gets (costs are cached)
-                        speed, _, rate = timed_run(target, drafter, ids, make_policy(loaded, 16, None), a.n)
-                        accept[item.category].append(rate or 0.0)
-                    else:
-                        speed, _, _ = timed_run(target, drafter, ids, FixedPolicy(setting), a.n)
-                    tps[item.category][name].append(speed)
+                speeds: dict[str, list[float]] = defaultdict(list)
+                for rep in range(a.reps):
+                    names = list(settings)
+                    shift = (i + rep) % len(names)
+                    names = names[shift:] + names[:shift]  # rotate who goes first
+                    for name in names:
+                        setting = settings[name]
+                        if setting is None:
+                            speed, _, _ = timed_run(target, None, ids, FixedPolicy(0), a.n)
+                        elif setting == "policy":
+                            # a fresh policy per run: what one `specchat prompt` gets (costs are cached)
+                            speed, _, rate = timed_run(target, drafter, ids, make_policy(loaded, 16, None), a.n)
+                            accept[item.category].append(rate or 0.0)
+                        else:
+                            speed, _, _ = timed_run(target, drafter, ids, FixedPolicy(setting), a.n)
+                        speeds[name].append(speed)
+                for name, values in speeds.items():
+                    tps[item.category][name].append(statistics.median(values))
             print(f"\n## {model} + {label}   (tok/s, and ratio to target-only)")
             names = list(settings)
             print(f"{'category':<15}" + "".join(f"{n:>20}" for n in names))

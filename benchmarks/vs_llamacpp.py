@@ -84,12 +84,12 @@ def build(jobs: int) -> Path:
 
 def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int, draft: int, ngram: bool) -> dict:
     args = [str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads), "-c", "2048",
-            "--temp", "0", "--top-k", "1", "--draft-max", str(draft), "--draft-min", "0", "-s", "1",
-            "--ignore-eos", "-ngl", "0"]
+            "--temp", "0", "--top-k", "1", "-s", "1", "--ignore-eos", "-ngl", "0"]
     if ngram:
-        args += ["--spec-type", "ngram-simple"]
+        args += ["--spec-type", "ngram-simple"]  # llama.cpp's defaults: 12-gram lookup, up to 48 drafted
     else:
-        args += ["-md", str(model), "-ngld", "0", "-td", str(threads), "--draft-p-min", "0"]
+        args += ["--spec-type", "draft-simple", "-md", str(model), "-ngld", "0", "-td", str(threads), "--spec-draft-n-max", str(draft),
+                 "--spec-draft-n-min", str(draft), "--spec-draft-p-min", "0"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)

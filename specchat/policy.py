@@ -199,12 +199,14 @@ class Acceptance:
                 self.hits[j] += 1
 
 
-def best_length(a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: float = 0.0) -> tuple[int, float]:
-    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost): (n, tokens per second).
-    Within 1% of the best, the shortest draft wins: the same speed for less work."""
+def best_length(
+    a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: float = 0.0, overhead: float = 0.0
+) -> tuple[int, float]:
+    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost + per-step overhead):
+    (n, tokens per second). Within 1% of the best, the shortest draft wins: the same speed for less work."""
     expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
     n = np.arange(len(a) + 1)
-    cost = verify_cost.costs(len(a) + 1)[1:] + n * draft_cost_per_token  # verify n drafts + 1
+    cost = verify_cost.costs(len(a) + 1)[1:] + n * draft_cost_per_token + overhead  # verify n drafts + 1
     rates = expected / cost
     best = int(np.flatnonzero(rates >= rates.max() / 1.01)[0])
     return best, float(rates[best])
@@ -227,6 +229,10 @@ class AdaptivePolicy:
         self._shadow_key: tuple[int, int] | None = None
         self._shadow_offset = 0
         self.last_planned = 0
+        # Seconds per step spent outside drafting and verifying (bookkeeping, the consumer drawing
+        # tokens). Paid once per step whatever k is, so it favours longer drafts.
+        self.overhead = 0.0
+        self._last_observed: float | None = None
 
     # --- prompt lookup: the proposal is free, so propose first and trim with what the match looks like
 
@@ -246,7 +252,7 @@ class AdaptivePolicy:
             self.last_planned = limit
             return limit
         per_token = self.draft_cost(1) if self.draft_cost else 0.0
-        n, _ = best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token)
+        n, _ = best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token, self.overhead)
         self.last_planned = n
         return n
 
@@ -255,10 +261,20 @@ class AdaptivePolicy:
             return len(tokens)
         key = (min(int(confidence), 4), self.last_lookup_ok)
         self._features = key
-        n, _ = best_length(self._lookup_stats(key).rates(len(tokens)), self.verify_cost)
+        n, _ = best_length(self._lookup_stats(key).rates(len(tokens)), self.verify_cost, 0.0, self.overhead)
         return n
 
+    def _observe_overhead(self, step: StepStats) -> None:
+        now = time.perf_counter()
+        if self._last_observed is not None:
+            extra = now - self._last_observed - step.verify_seconds - step.draft_seconds
+            # a gap longer than a few token times is a pause (the user typing), not overhead
+            if 0.0 <= extra < 3 * self.verify_cost(1):
+                self.overhead = 0.9 * self.overhead + 0.1 * extra
+        self._last_observed = now
+
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        self._observe_overhead(step)
         self.verify_cost.update(step.drafted + 1, step.verify_seconds)
         if self.draft_cost is not None and step.drafted > 0:
             self.draft_cost.update(1, step.draft_seconds / step.drafted)

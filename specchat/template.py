@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .backend import Backend
 
-FALLBACK_STOP = ["\nUser:"]
+FALLBACK_STOP = ["\nUser:", "\nAssistant:"]
 
 
 @dataclass(frozen=True)

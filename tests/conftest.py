@@ -18,3 +18,20 @@ for _p in (str(_TESTS.parent), str(_TESTS)):
 def rng() -> np.random.Generator:
     """A fixed-seed generator, so a test that samples is reproducible."""
     return np.random.default_rng(20240601)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_home(tmp_path_factory):
+    """Keep the user's real config, transcripts and cost cache out of the tests (one home per session,
+    so the measured cost models are shared between tests)."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in ("SPECCHAT_HOME", "SPECCHAT_CONFIG")}
+    os.environ["SPECCHAT_HOME"] = str(tmp_path_factory.mktemp("specchat-home"))
+    os.environ.pop("SPECCHAT_CONFIG", None)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -186,3 +186,20 @@ def test_engine_with_adaptive_policy_stays_lossless_and_records_draft_lengths():
     assert sum(stats.draft_lengths.values()) == stats.steps
     assert stats.steps < baseline.stats.steps  # drafting happened and paid in steps
     assert max(stats.draft_lengths) <= 8
+
+
+def test_per_step_overhead_favours_longer_drafts():
+    a = np.full(16, 0.85)
+    n_plain, _ = best_length(a, CPU)
+    n_overhead, _ = best_length(a, CPU, overhead=0.02)  # e.g. a slow terminal drawing every token
+    assert n_overhead > n_plain
+
+
+def test_policy_measures_overhead_outside_draft_and_verify():
+    import time as _time
+
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=8)
+    for _ in range(30):
+        policy.observe(step(0, 0, verify=0.0), [], [1])
+        _time.sleep(0.004)  # the consumer's time between steps
+    assert 0.002 < policy.overhead < 0.02
