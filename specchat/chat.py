@@ -46,28 +46,9 @@ from .paths import data_dir
 from .policy import make_policy
 from .runner import RunOptions, UserError, loading, run_options
 from .stats import RunStats
-from .template import FALLBACK_STOP, render_fallback
+from .template import FALLBACK_STOP, render_fallback, render_text
 
 # -- the conversation and its tokens ---------------------------------------------------------------
-
-
-def render_text(backend: Backend, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-    """The conversation as text, in the target's template (the same rendering as template.render)."""
-    template = backend.chat_template
-    if not template:
-        return render_fallback(messages, add_generation_prompt)
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    formatter = Jinja2ChatFormatter(
-        template,
-        eos_token=getattr(backend, "eos_text", ""),
-        bos_token=getattr(backend, "bos_text", ""),
-        add_generation_prompt=add_generation_prompt,
-    )
-    try:
-        return formatter(messages=[{"role": m["role"], "content": m["content"]} for m in messages]).prompt
-    except Exception as e:  # a template's raise_exception ("roles must alternate"), a Jinja error
-        raise UserError(f"the model's chat template refused this conversation: {e}") from None
 
 
 @dataclass

@@ -94,7 +94,7 @@ def generate(
     started = time.perf_counter()
     evaluated_before = target.evaluated
     sync(target, prompt_ids[:-1], logits_last=False)
-    if drafter is not None:
+    if drafter is not None and getattr(policy, "drafting_possible", True):
         drafter.prefill(prompt_ids)
     stats.prompt_tokens_evaluated = target.evaluated - evaluated_before + 1  # the last one goes with step 1
     stats.prefill_seconds = time.perf_counter() - started

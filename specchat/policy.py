@@ -229,6 +229,11 @@ class AdaptivePolicy:
         self._shadow_key: tuple[int, int] | None = None
         self._shadow_offset = 0
         self.last_planned = 0
+        # A draft model whose every token costs about as much as a target token cannot pay even if it
+        # were always right (a self-pair on a CPU): then it is not even given the prompt.
+        self.drafting_possible = kind == "prompt-lookup" or best_length(
+            np.ones(max(1, draft_max)), verify_cost, draft_cost(1) if draft_cost else 0.0
+        )[0] > 0
         # Seconds per step spent outside drafting and verifying (bookkeeping, the consumer drawing
         # tokens). Paid once per step whatever k is, so it favours longer drafts.
         self.overhead = 0.0
@@ -251,6 +256,8 @@ class AdaptivePolicy:
         if self.kind == "prompt-lookup":
             self.last_planned = limit
             return limit
+        if not self.drafting_possible:
+            return 0
         per_token = self.draft_cost(1) if self.draft_cost else 0.0
         n, _ = best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token, self.overhead)
         self.last_planned = n

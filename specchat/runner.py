@@ -14,13 +14,14 @@ from .config import Config, ConfigError
 from .loader import LoadOptions, Selection, load, select
 from .sampling import SamplingParams
 from .sources import SourceError
+from .template import TemplateError
 
 
 class UserError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
-USER_ERRORS = (UserError, BackendError, ConfigError, SourceError)
+USER_ERRORS = (UserError, BackendError, ConfigError, SourceError, TemplateError)
 
 
 @dataclass

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from .backend import Backend
 
+class TemplateError(ValueError):
+    """The chat template rejected the messages (one line, for the user)."""
+
+
 FALLBACK_STOP = ["\nUser:", "\nAssistant:"]
 
 
@@ -36,19 +40,28 @@ def render_fallback(messages: Sequence[dict], add_generation_prompt: bool = True
     return "".join(parts)
 
 
-def render(backend: Backend, messages: Sequence[dict], add_generation_prompt: bool = True) -> Rendered:
+def render_text(backend: Backend, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """The conversation as text, in the target's template or the fallback."""
     template = backend.chat_template
     if not template:
-        text = render_fallback(messages, add_generation_prompt)
-        return Rendered(backend.tokenize(text, add_special=True), list(FALLBACK_STOP), False)
+        return render_fallback(messages, add_generation_prompt)
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     formatter = Jinja2ChatFormatter(
         template,
-        eos_token=backend.eos_text,
-        bos_token=backend.bos_text,
+        eos_token=getattr(backend, "eos_text", ""),
+        bos_token=getattr(backend, "bos_text", ""),
         add_generation_prompt=add_generation_prompt,
     )
-    text = formatter(messages=list(messages)).prompt
+    try:
+        return formatter(messages=[{"role": m["role"], "content": m["content"]} for m in messages]).prompt
+    except Exception as e:  # a template's raise_exception ("roles must alternate"), a Jinja error
+        raise TemplateError(f"the model's chat template refused this conversation: {e}") from None
+
+
+def render(backend: Backend, messages: Sequence[dict], add_generation_prompt: bool = True) -> Rendered:
+    text = render_text(backend, messages, add_generation_prompt)
+    if not backend.chat_template:
+        return Rendered(backend.tokenize(text, add_special=True), list(FALLBACK_STOP), False)
     # the template writes BOS itself where the model wants one, so the tokenizer must not add another
     return Rendered(backend.tokenize(text, add_special=False, parse_special=True), [], True)

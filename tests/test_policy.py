@@ -203,3 +203,20 @@ def test_policy_measures_overhead_outside_draft_and_verify():
         policy.observe(step(0, 0, verify=0.0), [], [1])
         _time.sleep(0.004)  # the consumer's time between steps
     assert 0.002 < policy.overhead < 0.02
+
+
+def test_useless_draft_model_is_not_even_prefilled():
+    """Self-pair on a CPU: drafting cannot pay even at 100% acceptance, so the draft never sees the prompt."""
+    from fakes import make_draft_model
+
+    vocab = 16
+    logits = script_logits(vocab, 4, [5, 6, 7, 8, 9])
+    target = FakeBackend(logits, vocab)
+    drafter, draft_backend = make_draft_model(logits, vocab)
+    policy = AdaptivePolicy(CPU, kind="draft-model", draft_max=8, draft_cost=CostModel([1, 2], [0.015, 0.025]))
+    assert not policy.drafting_possible
+    events = list(generate(target, drafter, [1, 2, 3, 4], SamplingParams(temperature=0.0), max_tokens=5, policy=policy))
+    assert events[-1].token_ids == [5, 6, 7, 8, 9]
+    assert draft_backend.evaluated == 0
+    cheap = AdaptivePolicy(GPU, kind="draft-model", draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]))
+    assert cheap.drafting_possible
