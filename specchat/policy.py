@@ -30,6 +30,9 @@ from .stats import StepStats
 # batch sizes timed at calibration; costs in between are interpolated
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 17)
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
+# Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
+# from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
+DRAFT_MARGIN = 1.04
 
 
 class Policy(Protocol):
@@ -208,6 +211,8 @@ def best_length(
     n = np.arange(len(a) + 1)
     cost = verify_cost.costs(len(a) + 1)[1:] + n * draft_cost_per_token + overhead  # verify n drafts + 1
     rates = expected / cost
+    if rates[1:].max(initial=0.0) < rates[0] * DRAFT_MARGIN:
+        return 0, float(rates[0])  # a predicted gain this small is inside the estimates' error
     best = int(np.flatnonzero(rates >= rates.max() / 1.01)[0])
     return best, float(rates[best])
 
