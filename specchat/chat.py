@@ -123,9 +123,18 @@ class Conversation:
         content = reply if self.templated else reply.strip()
         message = {"role": "assistant", "content": content}
         self.turns += [{"role": "user", "content": prepared.user}, message]
-        seen = b"".join(self.target.token_bytes(t) for t in generated).decode("utf-8", "replace")
-        self._ids = prepared.ids + list(generated)
-        self._text = prepared.text + seen
+        # Hold only the generated ids whose text is part of the reply: a reply cut at a stop string
+        # ("\nAssistant:") generated that string's tokens too, and holding them would stop the next
+        # rendering from extending the held text. Those few tokens are rolled back at the next sync.
+        kept, seen = [], b""
+        for token in generated:
+            piece = seen + self.target.token_bytes(token)
+            if not reply.encode("utf-8").startswith(piece):
+                break
+            kept.append(token)
+            seen = piece
+        self._ids = prepared.ids + kept
+        self._text = prepared.text + seen.decode("utf-8", "replace")
         return message
 
     def restore(self, turns: Sequence[dict]) -> list[int]:

@@ -327,11 +327,15 @@ def test_real_model_turn_two_does_not_reevaluate_turn_one(tmp_path, monkeypatch,
         first, second = session.turn_log
         print(name, session.turn_log)
         assert second["reused"] == len(held)  # the generated ids carried over verbatim
-        assert second["prompt_evaluated"] == second["prompt_tokens"] - len(held) + 1
+        # at most the tokens after the held ones (fewer when the cache still holds a stop string's
+        # tokens that the new turn's text begins with)
+        assert second["prompt_evaluated"] <= second["prompt_tokens"] - len(held) + 1
         # turn 2 pays for its message and a few template tokens, none of turn 1's
         message_tokens = len(loaded.target.tokenize("And of Italy?", add_special=False))
         assert second["prompt_evaluated"] <= message_tokens + 12
         assert second["prompt_evaluated"] < len(held)
-        assert loaded.target.tokens == session.conversation.ids[:-1]
+        # the cache holds the kept conversation (and possibly a stop string's tokens after it)
+        kept = session.conversation.ids
+        assert loaded.target.tokens[: len(kept) - 1] == kept[:-1]
     finally:
         loaded.close()
