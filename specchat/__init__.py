@@ -1,13 +1,15 @@
 """specchat: local speculative decoding over llama.cpp, lossless for greedy and sampled decoding.
 
+    import sys
+
     import specchat
 
     pair = specchat.load_pair("default")                  # SmolLM2-135M-Instruct + prompt lookup
     ids = pair.chat_prompt([{"role": "user", "content": "Name three rivers."}])
     for event in specchat.generate(pair.target, pair.drafter, ids, specchat.SamplingParams(temperature=0),
                                    max_tokens=64, policy=pair.policy()):
-        if isinstance(event, specchat.TokenEvent):
-            print(event.text, end="", flush=True)          # event.source: accepted|resampled|bonus|target
+        if isinstance(event, specchat.TokenEvent):           # event.source: accepted|resampled|bonus|target
+            sys.stdout.write(event.text)
 """
 
 from __future__ import annotations

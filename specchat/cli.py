@@ -177,6 +177,11 @@ from .chat import chat_command  # noqa: E402
 app.command("chat")(chat_command)
 
 
+def report(message: str) -> None:
+    """One line on stderr: no markup (messages quote things like `specchat[models]`), no wrapping."""
+    Console(stderr=True, soft_wrap=True, highlight=False).print(message, markup=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every user error becomes one line on stderr and exit code 2, never a traceback."""
     command = typer.main.get_command(app)
@@ -185,18 +190,18 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Exit as e:
         code = e.exit_code
     except typer.Abort:
-        print("specchat: aborted", file=sys.stderr)
+        report("specchat: aborted")
         code = 130
     except typer.TyperException as e:
         # the parser's own message ("Invalid value for '--temp': ...") without its usage banner
         message = e.format_message() if hasattr(e, "format_message") else str(e)
-        print(f"specchat: error: {' '.join(message.split())}", file=sys.stderr)
+        report(f"specchat: error: {' '.join(message.split())}")
         code = 2
     except USER_ERRORS as e:
-        print(f"specchat: error: {e}", file=sys.stderr)
+        report(f"specchat: error: {e}")
         code = 2
     except KeyboardInterrupt:
-        print("\nspecchat: interrupted", file=sys.stderr)
+        report("\nspecchat: interrupted")
         code = 130
     except BrokenPipeError:
         code = 0

@@ -129,11 +129,13 @@ def generate(
             t1 = time.perf_counter()
             rows = target.eval([context[-1], *drafts], range(len(drafts) + 1))
             # p_i is conditioned on context + d<i: penalties must see the drafts before position i
+            # (the history list is built only when a penalty will read it: this is the per-token path)
+            history = (lambda i: context + drafts[:i]) if params.has_penalty else (lambda i: ())
             if params.greedy:
-                argmax = lazy_rows(len(rows), lambda i: greedy_token(rows[i], params, context + drafts[:i]))
+                argmax = lazy_rows(len(rows), lambda i: greedy_token(rows[i], params, history(i)))
                 n_accepted, next_token = verify_greedy(argmax, drafts)
             else:
-                p = lazy_rows(len(rows), lambda i: process(rows[i], params, context + drafts[:i]))
+                p = lazy_rows(len(rows), lambda i: process(rows[i], params, history(i)))
                 n_accepted, next_token = verify(p, q, drafts, rng)
             # the cache holds context[:-1] + [context[-1]] + drafts: keep through the accepted ones
             target.truncate(len(context) + n_accepted)

