@@ -91,7 +91,6 @@ def main() -> None:
             loaded = Loaded(target, drafter, config.model(model), None, label)
             settings = {"target-only": None, **{f"k={k}": int(k) for k in a.fixed.split(",")}, "policy": "policy"}
             tps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-            accept: dict[str, list[float]] = defaultdict(list)
             for i, item in enumerate(chosen):
                 ids = prompt_ids(target, item.turns[0])
                 speeds: dict[str, list[float]] = defaultdict(list)
@@ -105,8 +104,7 @@ def main() -> None:
                             speed, _, _ = timed_run(target, None, ids, FixedPolicy(0), a.n)
                         elif setting == "policy":
                             # a fresh policy per run: what one `specchat prompt` gets (costs are cached)
-                            speed, _, rate = timed_run(target, drafter, ids, make_policy(loaded, 16, None), a.n)
-                            accept[item.category].append(rate or 0.0)
+                            speed, _, _ = timed_run(target, drafter, ids, make_policy(loaded, 16, None), a.n)
                         else:
                             speed, _, _ = timed_run(target, drafter, ids, FixedPolicy(setting), a.n)
                         speeds[name].append(speed)
@@ -117,7 +115,6 @@ def main() -> None:
             print(f"{'category':<15}" + "".join(f"{n:>20}" for n in names))
             overall: dict[str, list[float]] = defaultdict(list)
             for cat, runs in tps.items():
-                base = statistics.mean(runs["target-only"])
                 row = f"{cat:<15}"
                 for name in names:
                     value = statistics.mean(runs[name])

@@ -267,15 +267,7 @@ class LlamaCppBackend:
     @property
     def vocab(self) -> VocabInfo:
         lib, v = self._lib, self._vocab_p
-        return VocabInfo(
-            vocab_type=lib.llama_vocab_type(v),
-            n_vocab=self.n_vocab,
-            bos=lib.llama_vocab_bos(v),
-            eos=lib.llama_vocab_eos(v),
-            add_bos=bool(lib.llama_vocab_get_add_bos(v)),
-            add_eos=bool(lib.llama_vocab_get_add_eos(v)),
-            token_text=lambda t: lib.llama_vocab_get_text(v, t) or b"",
-        )
+        return _vocab_info(lib, v, self.n_vocab, lambda t: lib.llama_vocab_get_text(v, t) or b"")
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -331,15 +323,20 @@ def read_vocab(path: str | os.PathLike) -> VocabInfo:
     except (ValueError, RuntimeError, OSError):
         raise BackendError(f"llama.cpp could not read the vocabulary of {path}") from None
     lib, v = llama_cpp, llama_cpp.llama_model_get_vocab(llm.model)
+    # copied out: the vocabulary is freed with the model
     texts = [lib.llama_vocab_get_text(v, t) or b"" for t in range(lib.llama_vocab_n_tokens(v))]
-    info = VocabInfo(
+    info = _vocab_info(lib, v, len(texts), texts.__getitem__)
+    llm.close()
+    return info
+
+
+def _vocab_info(lib, v, n_vocab: int, token_text) -> VocabInfo:
+    return VocabInfo(
         vocab_type=lib.llama_vocab_type(v),
-        n_vocab=len(texts),
+        n_vocab=n_vocab,
         bos=lib.llama_vocab_bos(v),
         eos=lib.llama_vocab_eos(v),
         add_bos=bool(lib.llama_vocab_get_add_bos(v)),
         add_eos=bool(lib.llama_vocab_get_add_eos(v)),
-        token_text=texts.__getitem__,
+        token_text=token_text,
     )
-    llm.close()
-    return info

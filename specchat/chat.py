@@ -39,14 +39,14 @@ from rich.text import Text
 
 from . import options as opt
 from . import ui
-from .backend import Backend, BackendError, sync
+from .backend import Backend, sync
 from .engine import Finished, PromptTooLong, generate
 from .loader import Loaded
 from .paths import data_dir
 from .policy import make_policy
 from .runner import RunOptions, UserError, loading, run_options
 from .stats import RunStats
-from .template import FALLBACK_STOP, render_fallback, render_text
+from .template import FALLBACK_STOP, render_text
 
 # -- the conversation and its tokens ---------------------------------------------------------------
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Annotated
 
 import typer
@@ -15,12 +13,11 @@ from rich.console import Console
 
 from . import options as opt
 from . import ui
-from .backend import BackendError
 from .config import load_config
-from .engine import Finished, TokenEvent, generate
+from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
 from .policy import make_policy
-from .runner import USER_ERRORS, RunOptions, UserError, check_fits, loading, read_prompt, run_options
+from .runner import USER_ERRORS, RunOptions, loading, read_prompt, run_options
 
 app = typer.Typer(
     name="specchat",
@@ -92,7 +89,7 @@ def prompt(
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             rendered = render(loaded.target, messages)
             prompt_ids, stops = rendered.token_ids, rendered.stop + list(stop or [])
-        check_fits(prompt_ids, loaded)
+        check_fits(prompt_ids, loaded.target.n_ctx)  # before the view starts
         if ignore_eos:
             run.params = dataclasses.replace(run.params, banned=loaded.target.eog_tokens())
         events = generate(
@@ -102,7 +99,7 @@ def prompt(
         if as_json:
             finished = print_json(events, loaded, run)
             if show_stats and finished is not None:
-                err.print(summary_line(finished, loaded))
+                err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
         elif sys.stdout.isatty():
             # a terminal: coloured tokens, live footer, one-line summary (and the breakdown with --stats)
             out = ui.make_console(no_color=no_color)
@@ -143,17 +140,6 @@ def print_json(events, loaded: Loaded, run: RunOptions) -> Finished:
     json.dump(doc, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     return finished
-
-
-def summary_line(finished: Finished, loaded: Loaded) -> str:
-    s = finished.stats
-    rate = "-" if s.acceptance_rate is None else f"{s.acceptance_rate:.0%}"
-    tau = s.mean_accepted_length or 0.0
-    tps = s.tokens_per_second or 0.0
-    return (
-        f"{s.emitted} tokens · {tps:.1f} tok/s · accepted {rate} of {s.drafted} drafted · "
-        f"{tau:.2f} tokens/step · {loaded.drafter_label} · {finished.finish_reason}"
-    )
 
 
 @app.command()

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .backend import Backend, BackendError, check_compatible, sync
 from .sampling import SamplingParams, apply_penalties, process, sample

@@ -61,6 +61,15 @@ class PromptTooLong(BackendError):
     pass
 
 
+def check_fits(prompt_ids: Sequence[int], n_ctx: int) -> None:
+    """Refuse a prompt that leaves no room to generate."""
+    if len(prompt_ids) >= n_ctx:
+        raise PromptTooLong(
+            f"prompt is {len(prompt_ids)} tokens but the context is {n_ctx} (-c {n_ctx}); "
+            "raise -c or shorten the prompt"
+        )
+
+
 def generate(
     target: Backend,
     drafter: Drafter | None,
@@ -80,11 +89,7 @@ def generate(
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
         raise ValueError("empty prompt: nothing to condition on")
-    if len(prompt_ids) >= target.n_ctx:
-        raise PromptTooLong(
-            f"prompt is {len(prompt_ids)} tokens but the context is {target.n_ctx} (-c); "
-            "raise -c or shorten the prompt"
-        )
+    check_fits(prompt_ids, target.n_ctx)
     if policy is None:
         policy = FixedPolicy(0 if drafter is None else 8)
     rng = rng if rng is not None else np.random.default_rng(params.seed)

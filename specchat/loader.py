@@ -7,11 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .backend import Backend, BackendError, LlamaCppBackend
-from .config import Config, ModelSpec
+from .config import PROMPT_LOOKUP, Config, ModelSpec
 from .drafters import DraftModel, Drafter, PromptLookup
 from .sources import resolve
-
-PROMPT_LOOKUP = "prompt-lookup"
 
 
 def default_threads() -> int:

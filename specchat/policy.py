@@ -233,7 +233,6 @@ class AdaptivePolicy:
         self._shadow: list[int] = []  # proposed tokens not sent to the target, checked against what comes
         self._shadow_key: tuple[int, int] | None = None
         self._shadow_offset = 0
-        self.last_planned = 0
         # A draft model whose every token costs about as much as a target token cannot pay even if it
         # were always right (a self-pair on a CPU): then it is not even given the prompt.
         self.drafting_possible = kind == "prompt-lookup" or best_length(
@@ -259,13 +258,11 @@ class AdaptivePolicy:
         if limit <= 0:
             return 0
         if self.kind == "prompt-lookup":
-            self.last_planned = limit
             return limit
         if not self.drafting_possible:
             return 0
         per_token = self.draft_cost(1) if self.draft_cost else 0.0
         n, _ = best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token, self.overhead)
-        self.last_planned = n
         return n
 
     def trim(self, tokens: Sequence[int], confidence: float) -> int:

@@ -90,11 +90,3 @@ def read_prompt(text: str) -> str:
         raise UserError("empty prompt: give some text, or - to read it from stdin")
     return text
 
-
-def check_fits(prompt_ids: list[int], loaded) -> None:
-    """Refuse a prompt that leaves no room to generate, before any work is done."""
-    n_ctx = loaded.target.n_ctx
-    if len(prompt_ids) >= n_ctx:
-        raise UserError(
-            f"prompt is {len(prompt_ids)} tokens but the context is {n_ctx} (-c {n_ctx}); raise -c or shorten the prompt"
-        )
