@@ -47,11 +47,12 @@ def llama_cpp_version() -> str:
     return importlib.metadata.version("llama-cpp-python")
 
 
-def build(jobs: int) -> Path:
-    """llama-speculative-simple from the sdist of the installed llama-cpp-python, cached."""
+def build(jobs: int, target: str = "llama-speculative-simple") -> Path:
+    """A llama.cpp tool (llama-speculative-simple, llama-bench) from the sdist of the installed
+    llama-cpp-python, built once into the cache dir."""
     version = llama_cpp_version()
     work = cache_dir() / f"llama.cpp-{version}"
-    binary = work / "build" / "bin" / "llama-speculative-simple"
+    binary = work / "build" / "bin" / target
     if binary.exists():
         return binary
     work.mkdir(parents=True, exist_ok=True)
@@ -77,7 +78,7 @@ def build(jobs: int) -> Path:
         check=True,
     )
     subprocess.run(
-        ["cmake", "--build", str(work / "build"), "--target", "llama-speculative-simple", f"-j{jobs}"], check=True
+        ["cmake", "--build", str(work / "build"), "--target", target, f"-j{jobs}"], check=True
     )
     return binary
 

@@ -19,6 +19,8 @@ from typing import Protocol
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
+# batches up to this size are filled token by token (the per-step path); larger ones through numpy
+SMALL_BATCH = 96
 
 
 class BackendError(Exception):
@@ -46,9 +48,11 @@ class Backend(Protocol):
     rollback_recoveries: int
     name: str
 
-    def eval(self, tokens: Sequence[int], logits_at: Sequence[int]) -> np.ndarray:
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
         """Append `tokens` to the cache; return float32 rows (len(logits_at), n_vocab), one per index
-        into `tokens` named in logits_at."""
+        into `tokens` named in logits_at. With in_place the rows may be a read-only view of the
+        backend's own buffer, valid only until its next eval or truncate (the per-step path reads each
+        row once and needs no copy)."""
 
     def truncate(self, n_keep: int) -> None:
         """Keep only the first n_keep cached tokens."""
@@ -75,19 +79,24 @@ class Backend(Protocol):
 def sync(backend: Backend, tokens: Sequence[int], logits_last: bool) -> np.ndarray | None:
     """Make the cache hold exactly `tokens`, evaluating only what differs from what it holds already
     (the KV reuse that makes a chat turn cost only its new tokens). With logits_last, return the logits
-    row after the last token, re-evaluating that token if it was already cached."""
+    row after the last token, re-evaluating that token if it was already cached (read it before the
+    backend's next eval: it may be the backend's own buffer)."""
     cached = backend.tokens
-    common = 0
     limit = min(len(cached), len(tokens))
-    while common < limit and cached[common] == tokens[common]:
-        common += 1
+    tokens = list(tokens)
+    if cached[:limit] == tokens[:limit]:  # the usual case, compared in C: the cache is a prefix
+        common = limit
+    else:
+        common = 0
+        while cached[common] == tokens[common]:
+            common += 1
     if logits_last and common == len(tokens) and common > 0:
         common -= 1  # llama.cpp keeps no logits for old positions: evaluate the last token again
     backend.truncate(common)
     rest = list(tokens[common:])
     if not rest:
         return None
-    rows = backend.eval(rest, [len(rest) - 1] if logits_last else [])
+    rows = backend.eval(rest, [len(rest) - 1] if logits_last else [], in_place=True)
     return rows[0] if logits_last else None
 
 
@@ -175,45 +184,96 @@ class LlamaCppBackend:
         self.tokens: list[int] = []
         self.evaluated = 0
         self.rollback_recoveries = 0
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view, see eval
         self._piece_cache: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
 
     # -- evaluation --------------------------------------------------------------------------------
 
-    def eval(self, tokens: Sequence[int], logits_at: Sequence[int]) -> np.ndarray:
-        lib = self._lib
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
         n = len(tokens)
         if len(self.tokens) + n > self.n_ctx:
             raise BackendError(
                 f"context full: {len(self.tokens)} + {n} tokens > -c {self.n_ctx}; raise -c or shorten the prompt"
             )
-        rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
+        logits_at = list(logits_at)
+        b = self._batch
+        if n <= min(SMALL_BATCH, self.n_batch):
+            # The per-step path (a verify batch, one draft token). Right after a decode the CPU caches
+            # hold model weights, not ours, so every Python or numpy operation here is slow: a few
+            # ctypes stores cost less than building arrays to copy from.
+            p0, want = len(self.tokens), set(logits_at)
+            for j, t in enumerate(tokens):
+                b.token[j] = t
+                b.pos[j] = p0 + j
+                b.logits[j] = 1 if j in want else 0
+            b.n_tokens = n
+            self._decode(tokens)
+            # One decode with its outputs in batch order: the rows can be llama.cpp's own logits
+            # buffer, read in place. Copying them costs 0.6 MB a row at a 152k vocabulary.
+            if in_place and all(x < y for x, y in zip(logits_at, logits_at[1:])):
+                return self._rows_in_place(logits_at)
+            return self._copy_rows(logits_at, range(len(logits_at)))
         want = np.zeros(n, dtype=np.int8)
-        want[list(logits_at)] = 1
-        row_of = {i: r for r, i in enumerate(logits_at)}
+        want[logits_at] = 1
         ids = np.asarray(tokens, dtype=np.int32)
         pos = np.arange(len(self.tokens), len(self.tokens) + n, dtype=np.int32)
-        b = self._batch
+        rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
+        row_of = {i: r for r, i in enumerate(logits_at)}
         for start in range(0, n, self.n_batch):
             m = min(self.n_batch, n - start)
             ctypes.memmove(b.token, ids[start:].ctypes.data, 4 * m)
             ctypes.memmove(b.pos, pos[start:].ctypes.data, 4 * m)
             ctypes.memmove(b.logits, want[start:].ctypes.data, m)
             b.n_tokens = m
-            # `tokens` is extended first: a Ctrl-C lands between bytecodes, after llama_decode returned,
-            # so the list always covers what the cache holds and a later truncate can clean up
-            n_before = len(self.tokens)
-            self.tokens.extend(tokens[start : start + m])
-            rc = lib.llama_decode(self.llm.ctx, b)
-            if rc != 0:
-                lib.llama_memory_seq_rm(self._mem, 0, n_before, -1)
-                del self.tokens[n_before:]
-                raise BackendError(f"llama_decode failed with code {rc} ({self.name})")
-            self.evaluated += m
-            for j in np.flatnonzero(want[start : start + m]):
-                ptr = lib.llama_get_logits_ith(self.llm.ctx, int(j))
-                rows[row_of[start + int(j)]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            self._decode(tokens[start : start + m])
+            here = [int(j) for j in np.flatnonzero(want[start : start + m])]
+            self._copy_rows(here, [row_of[start + j] for j in here], rows)
         return rows
+
+    def _decode(self, chunk: Sequence[int]) -> None:
+        """llama_decode of the batch already filled with `chunk`."""
+        # `tokens` is extended first: a Ctrl-C lands between bytecodes, after llama_decode returned,
+        # so the list always covers what the cache holds and a later truncate can clean up
+        n_before = len(self.tokens)
+        self.tokens.extend(chunk)
+        rc = self._lib.llama_decode(self.llm.ctx, self._batch)
+        if rc != 0:
+            self._lib.llama_memory_seq_rm(self._mem, 0, n_before, -1)
+            del self.tokens[n_before:]
+            raise BackendError(f"llama_decode failed with code {rc} ({self.name})")
+        self.evaluated += len(chunk)
+
+    def _copy_rows(self, batch_idx, row_idx, rows: np.ndarray | None = None) -> np.ndarray:
+        """Copy the last decode's logits at batch indices `batch_idx` into rows[row_idx]."""
+        if rows is None:
+            rows = np.empty((len(batch_idx), self.n_vocab), dtype=np.float32)
+        for j, r in zip(batch_idx, row_idx):
+            ptr = self._lib.llama_get_logits_ith(self.llm.ctx, j)
+            rows[r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return rows
+
+    def _rows_in_place(self, logits_at: list[int]) -> np.ndarray:
+        """The last decode's output rows as one read-only view (valid until the next eval), or a copy
+        when llama.cpp does not hold them contiguously in batch order."""
+        m = len(logits_at)
+        if m == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        lib, ctx = self._lib, self.llm.ctx
+        first = ctypes.cast(lib.llama_get_logits_ith(ctx, logits_at[0]), ctypes.c_void_p).value
+        last = first if m == 1 else ctypes.cast(lib.llama_get_logits_ith(ctx, logits_at[-1]), ctypes.c_void_p).value
+        if first and last and last - first == 4 * self.n_vocab * (m - 1):
+            # a view costs more to make than to keep: reuse it while llama.cpp keeps its buffer there
+            view = self._views.get((first, m))
+            if view is None:
+                if self._views and next(iter(self._views))[0] != first:
+                    self._views.clear()  # the buffer moved: views of the old one must never be handed out
+                view = np.frombuffer((ctypes.c_float * (m * self.n_vocab)).from_address(first), dtype=np.float32)
+                view = view.reshape(m, self.n_vocab)
+                view.flags.writeable = False
+                self._views[(first, m)] = view
+            return view
+        return self._copy_rows(logits_at, range(m))
 
     def truncate(self, n_keep: int) -> None:
         if n_keep >= len(self.tokens):

@@ -134,7 +134,7 @@ def print_json(events, loaded: Loaded, run: RunOptions) -> Finished:
         "finish_reason": finished.finish_reason,
         "target": loaded.target_spec.name,
         "drafter": loaded.drafter_label,
-        "params": {**run.params.__dict__, "draft_max": run.draft_max, "draft_fixed": run.draft_fixed},
+        "params": {**dataclasses.asdict(run.params), "draft_max": run.draft_max, "draft_fixed": run.draft_fixed},
         "stats": finished.stats.as_dict(),
     }
     json.dump(doc, sys.stdout, ensure_ascii=False)

@@ -9,14 +9,14 @@ from typing import Protocol
 import numpy as np
 
 from .backend import Backend, BackendError, check_compatible, sync
-from .sampling import SamplingParams, apply_penalties, process, sample
+from .sampling import Dist, SamplingParams, draft_confidence, greedy_token, process, sample
 
 
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
     # q[i]: the processed distribution tokens[i] was drawn from; None = deterministic proposal (one-hot)
-    q: list[np.ndarray | None] = field(default_factory=list)
+    q: list[Dist | None] = field(default_factory=list)
     # how good the source looked: prompt lookup's matched n-gram length, a draft model's top probability
     confidence: float = 0.0
 
@@ -73,27 +73,25 @@ class DraftModel:
         if k <= 0:
             return draft
         row = sync(self.backend, context, logits_last=True)
-        history = list(context)
+        history = list(context) if params.has_penalty else ()
         confidence = 1.0
         for i in range(k):
             if params.greedy:
-                logits = apply_penalties(row, params, history)
-                token = int(np.argmax(logits))
-                # confidence at temperature 1, as llama.cpp's --draft-p-min measures it
-                top = float(1.0 / np.exp(logits.astype(np.float64) - logits[token]).sum()) if self.p_min > 0 else 1.0
-                q = None
+                token, q = greedy_token(row, params, history), None
             else:
                 q = process(row, params, history)
                 token = sample(q, rng)
-                top = float(q.max())
+            # llama.cpp's --spec-draft-p-min: stop before a token the draft itself is unsure of
+            top = draft_confidence(row) if self.p_min > 0 else 1.0
             if top < self.p_min:
                 break
             confidence = min(confidence, top)
             draft.tokens.append(token)
             draft.q.append(q)
-            history.append(token)
+            if params.has_penalty:
+                history.append(token)
             if i < k - 1:
-                row = self.backend.eval([token], [0])[0]
+                row = self.backend.eval([token], [0], in_place=True)[0]
         if len(draft.tokens) < self.draft_min:
             return Draft()
         draft.confidence = confidence

@@ -132,7 +132,7 @@ def generate(
             n_send = policy.trim(proposed, draft.confidence) if proposed else 0
             drafts, q = proposed[:n_send], draft.q[:n_send]
             t1 = time.perf_counter()
-            rows = target.eval([context[-1], *drafts], range(len(drafts) + 1))
+            rows = target.eval([context[-1], *drafts], range(len(drafts) + 1), in_place=True)
             # p_i is conditioned on context + d<i: penalties must see the drafts before position i
             # (the history list is built only when a penalty will read it: this is the per-token path)
             history = (lambda i: context + drafts[:i]) if params.has_penalty else (lambda i: ())

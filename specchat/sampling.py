@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -31,6 +32,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @cached_property
+    def banned_ids(self) -> np.ndarray:
+        return np.unique(np.asarray(self.banned, dtype=np.int64))
+
+    @cached_property
+    def banned_set(self) -> frozenset[int]:
+        return frozenset(self.banned)
 
     @property
     def has_penalty(self) -> bool:
@@ -59,62 +68,241 @@ class SamplingParams:
             raise ValueError(f"--seed must be a non-negative integer, got {self.seed}")
 
 
-def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
-    """llama.cpp's penalties over the last `repeat_last_n` tokens of `history` (context + drafts so far),
-    and banned tokens set to -inf."""
+class Dist:
+    """A processed distribution, held on its support.
+
+    After top-k / top-p / min-p a distribution is a few dozen tokens, so it is kept as (ids, probs) and
+    every step of the rule costs O(support), not O(vocabulary): a float64 vector over a 152k vocabulary
+    is 1.2 MB to allocate, fill and scan, per draft position and per verified position. `ids is None`
+    means the whole vocabulary (a sampler that truncates nothing): `probs` is then indexed by token id.
+    `np.asarray(dist)` is the dense vector, for tests and for callers that want one.
+    """
+
+    __slots__ = ("ids", "probs", "n_vocab")
+
+    def __init__(self, ids: np.ndarray | None, probs: np.ndarray, n_vocab: int):
+        self.ids = ids
+        self.probs = probs
+        self.n_vocab = n_vocab
+
+    @classmethod
+    def single(cls, token: int, n_vocab: int) -> Dist:
+        return cls(np.array([token], dtype=np.int64), np.ones(1), n_vocab)
+
+    @classmethod
+    def of(cls, x: Dist | np.ndarray) -> Dist:
+        """A Dist as it is; a dense probability vector as a Dist over its non-zero entries."""
+        if isinstance(x, Dist):
+            return x
+        x = np.asarray(x, dtype=np.float64)
+        ids = np.flatnonzero(x)
+        return cls(ids, x[ids], x.shape[0])
+
+    def prob(self, token: int) -> float:
+        if self.ids is None:
+            return float(self.probs[token])
+        hit = np.flatnonzero(self.ids == token)
+        return float(self.probs[hit[0]]) if len(hit) else 0.0
+
+    def probs_at(self, tokens: np.ndarray) -> np.ndarray:
+        """P(t) for each t in `tokens` (0 off the support)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if self.ids is None:
+            return self.probs[tokens]
+        order = np.argsort(self.ids)
+        sorted_ids = self.ids[order]
+        pos = np.minimum(np.searchsorted(sorted_ids, tokens), len(sorted_ids) - 1)
+        return np.where(sorted_ids[pos] == tokens, self.probs[order][pos], 0.0)
+
+    def __getitem__(self, token):
+        if isinstance(token, (int, np.integer)):
+            return self.prob(int(token))
+        return self.probs_at(np.asarray(token))
+
+    def max(self) -> float:
+        return float(self.probs.max())
+
+    def dense(self) -> np.ndarray:
+        if self.ids is None:
+            return np.array(self.probs, dtype=np.float64)
+        out = np.zeros(self.n_vocab, dtype=np.float64)
+        out[self.ids] = self.probs
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.dense()
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        size = self.n_vocab if self.ids is None else len(self.ids)
+        return f"Dist({size} of {self.n_vocab} tokens, top {self.max():.3g})"
+
+
+def _penalised(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids, new values in logits' dtype) of the entries that penalties and bans change, or None.
+
+    llama.cpp's penalties over the last `repeat_last_n` tokens of `history` (context + drafts so far),
+    then banned tokens at -inf. Only these few entries differ from the raw row, so the row (262k floats
+    for gemma) is never copied to apply them."""
+    ids = np.empty(0, dtype=np.int64)
+    values = np.empty(0, dtype=logits.dtype)
+    if params.has_penalty and len(history):
+        window = history if params.repeat_last_n == -1 else history[-params.repeat_last_n :]
+        ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+        hit = logits[ids]
+        if params.repeat_penalty != 1.0:
+            hit = np.where(hit > 0, hit / params.repeat_penalty, hit * params.repeat_penalty)
+        values = (hit - counts * params.frequency_penalty - params.presence_penalty).astype(logits.dtype)
     if params.banned:
-        logits = logits.copy()
-        logits[list(params.banned)] = -np.inf
-    if not params.has_penalty or len(history) == 0:
+        banned = params.banned_ids
+        keep = ~np.isin(ids, banned)
+        ids = np.concatenate([ids[keep], banned])
+        values = np.concatenate([values[keep], np.full(len(banned), -np.inf, dtype=logits.dtype)])
+    return (ids, values) if len(ids) else None
+
+
+def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
+    """The whole row with penalties and bans applied (a copy when anything changes)."""
+    changed = _penalised(logits, params, history)
+    if changed is None:
         return logits
-    window = history if params.repeat_last_n == -1 else history[-params.repeat_last_n :]
-    ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
     out = logits.copy()
-    hit = out[ids]
-    if params.repeat_penalty != 1.0:
-        hit = np.where(hit > 0, hit / params.repeat_penalty, hit * params.repeat_penalty)
-    hit = hit - counts * params.frequency_penalty - params.presence_penalty
-    out[ids] = hit
+    out[changed[0]] = changed[1]
     return out
 
 
-def greedy_token(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> int:
-    return int(np.argmax(apply_penalties(logits, params, history)))
+GROUPS = 32  # top_k_ids splits the vocabulary into this many interleaved slices
 
 
-def top_k_ids(logits: np.ndarray, k: int, window: float = 12.0) -> np.ndarray:
-    """Ids of the k largest logits (any order). A partition of a 262k vocabulary costs milliseconds,
-    so first keep only logits within `window` of the max: when at least k survive, the top k are
-    exactly among them."""
-    near = np.flatnonzero(logits >= logits.max() - window)
-    if len(near) >= k:
-        return near[np.argpartition(logits[near], len(near) - k)[len(near) - k :]]
+def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits (any order), in about one pass over the row.
+
+    A partition of a 152k-262k vocabulary costs milliseconds. Instead view the row as GROUPS slices
+    (row j of logits.reshape(GROUPS, -1)) and take the element-wise maximum across them: one vectorised
+    pass giving the max of each column. The k-th largest column max is a lower bound T on the k-th
+    largest logit (those k maxima are k distinct logits), so the top k are among the logits >= T, and
+    those lie only in columns whose max is >= T: usually about k columns of GROUPS logits each."""
     n = logits.shape[0]
-    return np.argpartition(logits, n - k)[n - k :]
+    width = n // GROUPS
+    if k >= n or width < 2 * k:
+        return np.argpartition(logits, n - k)[n - k :] if k < n else np.arange(n)
+    column_max = logits[: GROUPS * width].reshape(GROUPS, width).max(axis=0)
+    bound = np.partition(column_max, width - k)[width - k]
+    columns = np.flatnonzero(column_max >= bound)
+    ids = (columns[None, :] + width * np.arange(GROUPS)[:, None]).ravel()
+    if GROUPS * width < n:  # the few ids past the last whole slice
+        ids = np.concatenate([ids, np.arange(GROUPS * width, n)])
+    ids = ids[logits[ids] >= bound]
+    if len(ids) <= k:
+        return ids
+    return ids[np.argpartition(logits[ids], len(ids) - k)[len(ids) - k :]]
 
 
-def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
-    """Raw logits -> the probability vector the sampler draws from (float64, len n_vocab, sums to 1).
+def _top_candidates(
+    logits: np.ndarray, params: SamplingParams, changed: tuple[np.ndarray, np.ndarray] | None, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, penalised float64 logits) of a set holding the k best penalised logits (maybe more).
+    Untouched tokens keep their raw logits, so the best k of them are among the best k + len(touched)
+    raw ones; the touched tokens are added with their new values. `changed` None: no penalty, and
+    banned tokens (at -inf) are simply left out."""
+    n = logits.shape[0]
+    if changed is None:
+        banned = params.banned_set
+        ids = top_k_ids(logits, min(n, k + len(banned)))
+        if banned:
+            kept = [i for i in ids.tolist() if i not in banned]
+            if len(kept) >= k:  # else too few tokens are left: fall through to the general case
+                ids = np.array(kept, dtype=np.int64)
+                return ids, logits[ids].astype(np.float64)
+            changed = _penalised(logits, params, ())
+        else:
+            return ids, logits[ids].astype(np.float64)
+    touched, values = changed
+    raw = top_k_ids(logits, min(n, k + len(touched)))
+    raw = raw[~np.isin(raw, touched)]
+    return np.concatenate([raw, touched]), np.concatenate([logits[raw].astype(np.float64), values.astype(np.float64)])
 
-    Order follows llama.cpp's default chain: penalties, top-k, top-p, min-p, temperature. Work is done on
-    the top-k candidate set only, so a 262k vocabulary costs one argpartition, not a full sort.
-    """
-    logits = apply_penalties(logits, params, history)
-    n_vocab = logits.shape[0]
-    out = np.zeros(n_vocab, dtype=np.float64)
-    if params.greedy:
-        out[int(np.argmax(logits))] = 1.0
-        return out
-    if 0 < params.top_k < n_vocab:
-        ids = top_k_ids(logits, params.top_k)
+
+def greedy_token(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> int:
+    """argmax of the penalised row (lowest id on a tie, like np.argmax), without copying the row."""
+    best = int(np.argmax(logits))
+    if not params.has_penalty and best not in params.banned_set:
+        return best  # the per-token path of greedy decoding: one pass over the row
+    changed = _penalised(logits, params, history)
+    if changed is None:
+        return best
+    touched, values = changed
+    if not (touched == best).any() and (values < logits[best]).all():
+        return best
+    ids, z = _top_candidates(logits, params, changed, 1)
+    return int(ids[z == z.max()].min())
+
+
+def draft_confidence(logits: np.ndarray) -> float:
+    """How sure a draft model is of its next token, as llama.cpp's --spec-draft-p-min measures it: the
+    top token's probability among the 10 best raw logits at temperature 1 (its draft sampler is top-k 10)."""
+    z = logits[top_k_ids(logits, min(10, logits.shape[0]))].astype(np.float64)
+    return float(1.0 / np.exp(z - z.max()).sum())
+
+
+def _head(full: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, float]:
+    """Whole-vocabulary truncation without sorting the whole vocabulary: (ids sorted by falling logit,
+    their logits, sum of exp(z - max) over ALL tokens). The ids hold every token top-p / min-p can keep:
+    min-p keeps only exp(z - max) >= min_p; top-p keeps a prefix, which lies inside any head already
+    holding top_p of the mass."""
+    z0 = full.max()
+    e = np.exp(full - z0)
+    total = float(e.sum())
+    ids = None
+    if params.min_p > 0.0:
+        ids = np.flatnonzero(e >= params.min_p * (1 - 1e-9))  # loose here; the exact test comes after
     else:
-        ids = np.arange(n_vocab)
-    z = logits[ids].astype(np.float64)
-    order = np.argsort(-z, kind="stable")
-    ids, z = ids[order], z[order]
-    if params.top_p < 1.0 or params.min_p > 0.0:
+        for window in (12.0, 24.0, 48.0):
+            near = np.flatnonzero(full >= z0 - window)
+            if e[near].sum() >= params.top_p * total * (1 + 1e-9):
+                ids = near
+                break
+    if ids is None:
+        ids = np.arange(full.shape[0])
+    ids = ids[np.argsort(-full[ids], kind="stable")]
+    return ids, full[ids], total
+
+
+def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> Dist:
+    """Raw logits -> the distribution the sampler draws from, on its support.
+
+    Order follows llama.cpp's default chain: penalties, top-k, top-p, min-p, temperature. With top-k the
+    work is on the candidate set only; without it (top-k 0) the distribution is the only dense one.
+    """
+    n_vocab = logits.shape[0]
+    if params.greedy:
+        return Dist.single(greedy_token(logits, params, history), n_vocab)
+    # bans alone are handled by leaving the banned ids out of the top-k candidates
+    changed = _penalised(logits, params, history) if params.has_penalty else None
+    truncates = params.top_p < 1.0 or params.min_p > 0.0
+    total = None
+    if 0 < params.top_k < n_vocab:
+        ids, z = _top_candidates(logits, params, changed, params.top_k)
+        if len(ids) > params.top_k:
+            best = np.argpartition(-z, params.top_k - 1)[: params.top_k]
+            ids, z = ids[best], z[best]
+        order = np.argsort(-z, kind="stable")
+        ids, z = ids[order], z[order]
+    else:
+        full = logits.astype(np.float64)
+        if changed is not None:
+            full[changed[0]] = changed[1]
+        elif params.banned:
+            full[params.banned_ids] = -np.inf
+        if not truncates:
+            w = np.exp((full - full.max()) / params.temperature)
+            return Dist(None, w / w.sum(), n_vocab)
+        ids, z, total = _head(full, params)
+    if truncates:
         base = np.exp(z - z[0])
-        base /= base.sum()
+        base /= base.sum() if total is None else total
         keep = len(z)
         if params.top_p < 1.0:
             # smallest prefix whose mass reaches top_p (at least one token)
@@ -122,36 +310,46 @@ def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) 
         if params.min_p > 0.0:
             keep = min(keep, max(1, int(np.count_nonzero(base >= params.min_p * base[0]))))
         ids, z = ids[:keep], z[:keep]
-    w = np.exp((z - z[0]) / params.temperature)
-    out[ids] = w / w.sum()
-    return out
+    w = np.exp((z - z[0]) * (1.0 / params.temperature))
+    w /= w.sum()
+    return Dist(ids, w, n_vocab)
 
 
-def one_hot(token: int, n_vocab: int) -> np.ndarray:
-    out = np.zeros(n_vocab, dtype=np.float64)
-    out[token] = 1.0
-    return out
+def one_hot(token: int, n_vocab: int) -> Dist:
+    return Dist.single(token, n_vocab)
 
 
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token from probability vector p (only its non-zero entries are touched)."""
-    support = np.flatnonzero(p)
-    cdf = np.cumsum(p[support])
+def sample(p: Dist | np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token from p (a Dist, or a dense probability vector)."""
+    p = Dist.of(p)
+    cdf = np.cumsum(p.probs)
     i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(support[min(i, len(support) - 1)])
+    if i >= len(cdf):  # u * total rounded up to total: the last token with mass
+        i = int(np.flatnonzero(p.probs)[-1])
+    return i if p.ids is None else int(p.ids[i])
 
 
-def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """normalize(max(0, p - q)): what the target still owes after the draft's proposal was rejected."""
-    r = np.maximum(p - q, 0.0)
+def residual(p: Dist | np.ndarray, q: Dist | np.ndarray) -> Dist:
+    """normalize(max(0, p - q)): what the target still owes after the draft's proposal was rejected.
+    Its support is within p's, so it costs O(support of p)."""
+    p, q = Dist.of(p), Dist.of(q)
+    if p.ids is None:
+        r = p.probs.copy()
+        if q.ids is None:
+            r -= q.probs
+        else:
+            r[q.ids] -= q.probs
+        r = np.maximum(r, 0.0)
+    else:
+        r = np.maximum(p.probs - q.probs_at(p.ids), 0.0)
     total = r.sum()
     # total == 0 only if p == q, where a rejection has probability 0; guard against rounding anyway
-    return r / total if total > 0 else p
+    return Dist(p.ids, r / total, p.n_vocab) if total > 0 else p
 
 
 def verify(
-    p: Sequence[np.ndarray] | _Lazy,
-    q: Sequence[np.ndarray | None],
+    p: Sequence[Dist | np.ndarray] | _Lazy,
+    q: Sequence[Dist | np.ndarray | None],
     drafts: Sequence[int],
     rng: np.random.Generator,
 ) -> tuple[int, int]:
@@ -159,14 +357,14 @@ def verify(
     drafter was deterministic, q = one-hot). Returns (number of drafts accepted, next token): the next
     token is the residual sample at the first rejection, or the bonus token drawn from p[k]."""
     for i, d in enumerate(drafts):
-        p_i = p[i]
+        p_i = Dist.of(p[i])
         q_i = q[i]
-        q_d = 1.0 if q_i is None else float(q_i[d])
+        q_d = 1.0 if q_i is None else Dist.of(q_i).prob(d)
         # u < p/q accepts with probability min(1, p/q); q_d > 0 because d was drawn from q_i
-        if rng.random() * q_d < p_i[d]:
+        if rng.random() * q_d < p_i.prob(d):
             continue
         if q_i is None:
-            q_i = one_hot(d, p_i.shape[0])
+            q_i = one_hot(d, p_i.n_vocab)
         return i, sample(residual(p_i, q_i), rng)
     return len(drafts), sample(p[len(drafts)], rng)
 

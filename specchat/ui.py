@@ -67,8 +67,9 @@ LEGEND_ITEMS = (
 
 # live rows kept below the committed text: the row being written and the one before it
 PENDING_ROWS = 2
-# at most this many footer redraws per second (a step can emit many tokens; the screen needs few)
-REFRESH_PER_SECOND = 30
+# at most this many redraws per second: the view runs between two decodes, so each redraw delays the
+# next one; what arrives in between is only appended to the reply (O(1) per token)
+REFRESH_PER_SECOND = 12
 
 
 def make_console(*, file: TextIO | None = None, stderr: bool = False, no_color: bool = False, **kw) -> Console:
@@ -250,8 +251,11 @@ class LiveView:
                 self._append(event.text, SOURCE_STYLE.get(event.source, "spec.target"))
         elif isinstance(event, StepEvent):
             self.totals, self.last_step = event.totals, event.stats
-            self._commit()
-            self._refresh()
+            now = time.perf_counter()
+            if now - self._last_refresh >= 1.0 / REFRESH_PER_SECOND:
+                self._last_refresh = now
+                self._commit()
+                self._refresh()
         elif isinstance(event, Finished):
             self.finished = event
             self.totals = event.stats
@@ -310,14 +314,8 @@ class LiveView:
         self.console.print(text, soft_wrap=False)
 
     def _refresh(self) -> None:
-        if self._live is None:
-            return
-        now = time.perf_counter()
-        if now - self._last_refresh < 1.0 / REFRESH_PER_SECOND:
-            self._live.update(self._renderable(), refresh=False)
-            return
-        self._last_refresh = now
-        self._live.update(self._renderable(), refresh=True)
+        if self._live is not None:
+            self._live.update(self._renderable(), refresh=True)
 
 
 def make_view(console: Console, plain_file: TextIO, *, label: str = "", live: bool | None = None):

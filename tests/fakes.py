@@ -82,6 +82,7 @@ class FakeBackend:
         self.vocab_type = vocab_type
         self._chat_template = chat_template
         self.calls: list[tuple[list[int], list[int]]] = []
+        self._lent: np.ndarray | None = None
         self.truncations: list[int] = []
         self.removed: list[int] = []  # tokens each truncate call actually dropped (0 = no-op), parallel to truncations
         self._cache: dict[tuple[int, ...], np.ndarray] | None = {} if cache else None
@@ -99,7 +100,7 @@ class FakeBackend:
             self._cache[key] = row
         return row
 
-    def eval(self, tokens: Sequence[int], logits_at: Sequence[int]) -> np.ndarray:
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         logits_at = [int(i) for i in logits_at]
         if len(self.tokens) + len(tokens) > self.n_ctx:
@@ -110,12 +111,19 @@ class FakeBackend:
         for i in logits_at:
             assert 0 <= i < len(tokens), (i, tokens)
         self.calls.append((tokens, logits_at))
+        # rows lent in place are only valid until the next eval, as with llama.cpp's buffer: poison the
+        # last ones so a caller that kept them reads NaN instead of silently stale logits
+        if self._lent is not None:
+            self._lent.fill(np.nan)
+            self._lent = None
         start = len(self.tokens)
         self.tokens.extend(tokens)
         self.evaluated += len(tokens)
         rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
         for r, i in enumerate(logits_at):
             rows[r] = self.logits_for(self.tokens[: start + i + 1])
+        if in_place:
+            self._lent = rows
         return rows
 
     def truncate(self, n_keep: int) -> None:

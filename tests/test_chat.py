@@ -150,11 +150,11 @@ def test_ctrl_c_inside_the_model_keeps_the_session_consistent(tmp_path):
     real_eval = target.eval
     calls = {"n": 0}
 
-    def eval_then_interrupt(tokens, logits_at):
+    def eval_then_interrupt(tokens, logits_at, **kw):
         calls["n"] += 1
         if calls["n"] == 6:
             raise KeyboardInterrupt
-        return real_eval(tokens, logits_at)
+        return real_eval(tokens, logits_at, **kw)
 
     target.eval = eval_then_interrupt
     session.handle("story")
@@ -173,7 +173,7 @@ def test_ctrl_c_before_the_first_token_drops_the_message(tmp_path):
     session._make_view = None
     real_eval = target.eval
 
-    def interrupt(tokens, logits_at):
+    def interrupt(tokens, logits_at, **kw):
         raise KeyboardInterrupt
 
     target.eval = interrupt

@@ -612,12 +612,12 @@ PENALTY_PROMPT = [4, 4, 1]
 
 def expected_first_two(logits_fn, prompt: list[int], params: SamplingParams) -> np.ndarray:
     """P(t1, t2) under plain sampling from the target: p(t1 | prompt) p(t2 | prompt + t1)."""
-    p1 = process(np.asarray(logits_fn(tuple(prompt))), params, prompt)
+    p1 = np.asarray(process(np.asarray(logits_fn(tuple(prompt))), params, prompt))
     joint = np.zeros((EV, EV))
     for a in range(EV):
         if p1[a] > 0:
             ctx = prompt + [a]
-            joint[a] = p1[a] * process(np.asarray(logits_fn(tuple(ctx))), params, ctx)
+            joint[a] = p1[a] * np.asarray(process(np.asarray(logits_fn(tuple(ctx))), params, ctx))
     return joint
 
 
@@ -660,8 +660,8 @@ def test_penalty_case_depends_on_draft_token_before():
     fn = markov_logits(ENGINE_TARGET)
     for d1 in range(EV):
         ctx = PENALTY_PROMPT + [d1]
-        right = process(np.asarray(fn(tuple(ctx))), PENALTY_PARAMS, ctx)
-        wrong = process(np.asarray(fn(tuple(ctx))), PENALTY_PARAMS, PENALTY_PROMPT)
+        right = np.asarray(process(np.asarray(fn(tuple(ctx))), PENALTY_PARAMS, ctx))
+        wrong = np.asarray(process(np.asarray(fn(tuple(ctx))), PENALTY_PARAMS, PENALTY_PROMPT))
         if d1 not in PENALTY_PROMPT:
             assert right[d1] < wrong[d1] - 0.2
 

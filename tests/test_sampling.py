@@ -124,6 +124,7 @@ class Uniforms:
 
 def _draw(q: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     """n independent tokens from q (inverse CDF; zero-probability tokens are never drawn)."""
+    q = np.asarray(q)
     cdf = np.cumsum(q)
     return np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1], side="right"), len(q) - 1)
 
@@ -163,7 +164,7 @@ _honest: dict[str, np.ndarray] = {}
 def honest_first_tokens(case: Case) -> tuple[np.ndarray, np.ndarray]:
     """(first tokens from the real verify at the case's draw count, the target distribution); memoised so
     the power test reuses the draws of the losslessness test."""
-    target = process(TARGET, case.params, HISTORY)  # what plain sampling from the target draws from
+    target = np.asarray(process(TARGET, case.params, HISTORY))  # what plain sampling from the target draws from
     if case.name not in _honest:
         _honest[case.name] = first_tokens(case, draws_for(target), seed=1000 + CASES.index(case))
     return _honest[case.name], target
@@ -181,7 +182,7 @@ def test_verify_first_token_is_target_distribution(case: Case):
 def test_cases_are_not_trivial():
     """The configurations exercise what they claim: drafts differ from the target, truncation and
     penalties change the target, the zero-mass draft really has zero mass where the target has mass."""
-    base = process(TARGET, sp(temperature=1.0), HISTORY)
+    base = np.asarray(process(TARGET, sp(temperature=1.0), HISTORY))
     by_name = {c.name: c for c in CASES}
     assert len(CASES) >= 10 and {c.k for c in CASES} >= {1, 4}
     assert {c.params.temperature for c in CASES} >= {0.3, 0.8, 1.0, 1.5}
@@ -191,18 +192,18 @@ def test_cases_are_not_trivial():
     for name in ("repeat-penalty1.8-near-k2", "freq0.6-presence0.8-far-k1"):
         p = process(TARGET, by_name[name].params, HISTORY)
         assert np.abs(p - base).max() > 0.05, name
-    q = process(DRAFT_ZERO, by_name["draft-zero-mass-k4"].params, HISTORY)
+    q = np.asarray(process(DRAFT_ZERO, by_name["draft-zero-mass-k4"].params, HISTORY))
     p = process(TARGET, by_name["draft-zero-mass-k4"].params, HISTORY)
     assert (q[[0, 3, 8]] == 0).all() and p[[0, 3, 8]].sum() > 0.5
-    q_far = process(DRAFT_FAR, sp(temperature=1.5), HISTORY)
-    assert 0.5 * np.abs(q_far - process(TARGET, sp(temperature=1.5), HISTORY)).sum() > 0.3  # total variation
+    q_far = np.asarray(process(DRAFT_FAR, sp(temperature=1.5), HISTORY))
+    assert 0.5 * np.abs(q_far - np.asarray(process(TARGET, sp(temperature=1.5), HISTORY))).sum() > 0.3  # total variation
 
 
 def test_draw_counts_give_the_power_claimed():
     """The per-configuration draw count detects a 1% error with power >= 0.9 (and is not absurdly large)."""
     counts = {}
     for case in CASES:
-        target = process(TARGET, case.params, HISTORY)
+        target = np.asarray(process(TARGET, case.params, HISTORY))
         n = draws_for(target)
         assert detection_power(n, target) >= POWER
         counts[case.name] = n
@@ -218,7 +219,7 @@ def test_power_residual_replaced_by_p(monkeypatch):
     """Resampling from p instead of normalize(max(0, p - q)) after a rejection over-weights what the
     draft already proposed. The real verify runs with sampling.residual patched."""
     case = next(c for c in CASES if c.name == "temp1.5-far-k1")
-    target = process(TARGET, case.params, HISTORY)
+    target = np.asarray(process(TARGET, case.params, HISTORY))
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     counts = np.bincount(first_tokens(case, WRONG_DRAWS, seed=7), minlength=V)
     assert chi2_pvalue(counts, target) < 1e-12
@@ -237,7 +238,7 @@ def verify_accepting_with_p(p, q, drafts, rng):
 
 def test_power_acceptance_ignoring_q():
     case = next(c for c in CASES if c.name == "temp1.0-near-k1")
-    target = process(TARGET, case.params, HISTORY)
+    target = np.asarray(process(TARGET, case.params, HISTORY))
     counts = np.bincount(first_tokens(case, WRONG_DRAWS, seed=8, verify_fn=verify_accepting_with_p), minlength=V)
     assert chi2_pvalue(counts, target) < 1e-12
 
@@ -271,7 +272,7 @@ def softmax(z) -> np.ndarray:
 
 def test_process_temperature():
     logits = np.array([1.0, 2.0, 3.0, 0.0], dtype=np.float32)
-    out = process(logits, sp(temperature=0.5), [])
+    out = np.asarray(process(logits, sp(temperature=0.5), []))
     assert out.dtype == np.float64 and out.shape == (4,)
     np.testing.assert_allclose(out, softmax([2.0, 4.0, 6.0, 0.0]), rtol=1e-6)
     np.testing.assert_allclose(process(logits, sp(temperature=1.0), []), softmax(logits), rtol=1e-6)
@@ -376,7 +377,7 @@ def test_process_penalties_then_truncation():
 def test_process_large_vocab_sums_to_one():
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 3, 50_000).astype(np.float32)
-    out = process(logits, SamplingParams(), list(range(100)))
+    out = np.asarray(process(logits, SamplingParams(), list(range(100))))
     assert out.sum() == pytest.approx(1.0) and 1 <= np.count_nonzero(out) <= 40
 
 

@@ -144,8 +144,10 @@ def test_make_view_picks_by_terminal():
     assert isinstance(ui.make_view(pipe, io.StringIO()), ui.PlainView)
 
 
-def test_long_reply_is_committed_row_by_row():
-    """Only the last rows stay in the live region; everything else is printed above it, in order."""
+def test_long_reply_is_committed_row_by_row(monkeypatch):
+    """Only the last rows stay in the live region; everything else is printed above it, in order.
+    (Every step redraws here; test_redraws_are_batched_between_refreshes covers the rate limit.)"""
+    monkeypatch.setattr(ui, "REFRESH_PER_SECOND", 1e12)
     console, buf = capture(width=20)
     view = ui.LiveView(console)
     words = [f"word{i} " for i in range(60)] + ["end\n", "second line\n", "tail"]
@@ -222,3 +224,26 @@ def test_character_split_over_tokens_through_the_engine():
     assert view.text == finished.text
     assert "é" in view.text and "\ufffd" not in view.text
     assert "é" in buf.getvalue()
+
+
+def test_redraws_are_batched_between_refreshes(monkeypatch):
+    """Steps that arrive faster than REFRESH_PER_SECOND only append text: no redraw, no commit, so the
+    view does not delay the next decode; the next step after the interval shows all of it."""
+    console, buf = capture(width=40)
+    view = ui.LiveView(console)
+    view.start()
+    refreshes = []
+    monkeypatch.setattr(view, "_refresh", lambda: refreshes.append(view.reply.plain))
+    clock = [100.0]
+    monkeypatch.setattr(ui.time, "perf_counter", lambda: clock[0])
+    for i in range(30):  # 30 steps within 1/REFRESH_PER_SECOND of each other
+        view.feed(TokenEvent(i, f"w{i} ", "target", i))
+        view.feed(StepEvent(StepStats(i, 0, 0, 1, 0.0, 0.001), RunStats(steps=i + 1, emitted=i + 1)))
+        clock[0] += 0.2 / ui.REFRESH_PER_SECOND / 30
+    assert len(refreshes) == 1  # the first step only
+    clock[0] += 1.0 / ui.REFRESH_PER_SECOND
+    view.feed(TokenEvent(30, "last", "target", 30))
+    view.feed(StepEvent(StepStats(30, 0, 0, 1, 0.0, 0.001), RunStats(steps=31, emitted=31)))
+    assert len(refreshes) == 2 and refreshes[-1].endswith("w29 last")
+    view.end()
+    assert "w0 w1" in ANSI.sub("", buf.getvalue()) and "last" in ANSI.sub("", buf.getvalue())

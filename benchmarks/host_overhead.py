@@ -1,0 +1,230 @@
+"""specchat's own cost per step: generation time minus the time inside llama_decode, side by side.
+
+    python benchmarks/host_overhead.py                 # all three parts (builds llama-bench once, ~10 min)
+    python benchmarks/host_overhead.py --parts host    # only the host-overhead table
+
+1. host: ms per verify step and per emitted token spent outside llama_decode (sampling, the rule, the
+   drafter's bookkeeping, the policy), for the draft model, prompt lookup and target-only, at temp 0 and
+   0.8 (llama.cpp's default sampler: top-k 40, top-p 0.95, min-p 0.05), on the Qwen2.5-Coder pair and on
+   gemma-3-270m (drafting for itself). Fixed k = 4 and --draft-p-min 0, so every step drafts 4 tokens.
+2. plain: plain decoding at temp 0.8 vs `llama-bench -n 128 -p 0` (tg128) from the same vendored
+   llama.cpp, gemma-3-270m, same threads, alternating repetitions.
+3. view: `specchat prompt` on a terminal (a pty: coloured live view) vs `--json`, same prompt, greedy.
+
+The time inside llama_decode is measured by wrapping llama_cpp.llama_decode in this process, so the
+script measures any version of specchat the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pty
+import re
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_cpp  # noqa: E402
+
+import specchat  # noqa: E402
+from specchat.drafters import PromptLookup  # noqa: E402
+from specchat.policy import FixedPolicy  # noqa: E402
+
+CODE_PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping intervals, "
+               "with a docstring and three doctests.")
+SUMMARY_PROMPT = ("Summarise in two sentences: The Nile is the longest river in Africa. It flows north through "
+                  "eleven countries and ends in a large delta in Egypt before reaching the Mediterranean Sea.")
+
+
+class DecodeTimer:
+    """Wraps llama_cpp.llama_decode: seconds spent inside it, and calls."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+        self._real = llama_cpp.llama_decode
+
+        def timed(ctx, batch):
+            t0 = time.perf_counter()
+            try:
+                return self._real(ctx, batch)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        llama_cpp.llama_decode = timed
+
+
+def host_run(timer: DecodeTimer, pair, drafter, ids, temp: float, k: int, n: int) -> dict:
+    params = specchat.SamplingParams(temperature=temp, seed=7, banned=pair.target.eog_tokens())
+    policy = FixedPolicy(k if drafter is not None else 0)
+    # the first decode of a context allocates its buffers: warm both models up outside the measurement
+    for _ in specchat.generate(pair.target, drafter, ids, params, max_tokens=4, policy=policy):
+        pass
+    best = None
+    for _ in range(3):
+        finished = None
+        events = specchat.generate(pair.target, drafter, ids, params, max_tokens=n, policy=policy)
+        first = next(events)  # the prompt is evaluated when the generator starts: not part of the loop
+        decode_before = timer.seconds
+        t0 = time.perf_counter()
+        for event in events:
+            if isinstance(event, specchat.Finished):
+                finished = event
+        wall = time.perf_counter() - t0
+        decoded = timer.seconds - decode_before
+        stats = finished.stats
+        host = wall - decoded
+        row = {"steps": stats.steps, "tokens": stats.emitted, "host_ms_step": 1e3 * host / stats.steps,
+               "host_ms_token": 1e3 * host / stats.emitted, "decode_ms_step": 1e3 * decoded / stats.steps,
+               "tps": stats.emitted / wall, "accept": stats.acceptance_rate}
+        del first
+        if best is None or row["host_ms_step"] < best["host_ms_step"]:
+            best = row
+    return best
+
+
+def part_host(a) -> None:
+    timer = DecodeTimer()
+    print("## host overhead (outside llama_decode), fixed k = 4, -n", a.n, "(best of 3 runs)")
+    print(f"{'model':<22}{'drafter':<16}{'temp':>5}{'steps':>7}{'host ms/step':>14}{'host ms/token':>15}"
+          f"{'decode ms/step':>16}{'host share':>12}{'accepted':>10}")
+    setups = []
+    if "qwen" in a.models:
+        setups.append(("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", CODE_PROMPT))
+    if "gemma" in a.models:
+        setups.append(("gemma-3-270m", "gemma-3-270m", SUMMARY_PROMPT))
+    for target_name, draft_name, text in setups:
+        pair = specchat.load_pair(target=target_name, draft=draft_name, n_ctx=2048, n_gpu_layers=0,
+                                  n_gpu_layers_draft=0, n_threads=a.threads, draft_p_min=0.0)
+        lookup = PromptLookup(1, 4)
+        if pair.target.chat_template:
+            ids = pair.chat_prompt([{"role": "user", "content": text}])
+        else:
+            ids = pair.target.tokenize(text + "\nAnswer:")
+        for drafter_name, drafter in (("draft model", pair.drafter), ("prompt lookup", lookup), ("target only", None)):
+            for temp in (0.0, 0.8):
+                r = host_run(timer, pair, drafter, ids, temp, 4, a.n)
+                share = r["host_ms_step"] / (r["host_ms_step"] + r["decode_ms_step"])
+                acc = "-" if r["accept"] is None else f"{r['accept']:.0%}"
+                print(f"{target_name:<22}{drafter_name:<16}{temp:>5}{r['steps']:>7}{r['host_ms_step']:>14.3f}"
+                      f"{r['host_ms_token']:>15.3f}{r['decode_ms_step']:>16.1f}{share:>11.1%}{acc:>10}", flush=True)
+        pair.close()
+
+
+def llama_bench(binary: Path, model: Path, n: int, threads: int) -> float:
+    out = subprocess.run([str(binary), "-m", str(model), "-n", str(n), "-p", "0", "-t", str(threads), "-r", "3",
+                          "-ngl", "0", "-o", "json"], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def plain_tps(pair, n: int, temp: float) -> float:
+    ids = pair.target.tokenize("The")  # as tg128: generation from (almost) an empty context
+    params = specchat.SamplingParams(temperature=temp, seed=3, banned=pair.target.eog_tokens())
+    finished = None
+    for event in specchat.generate(pair.target, None, ids, params, max_tokens=n):
+        if isinstance(event, specchat.Finished):
+            finished = event
+    return finished.stats.tokens_per_second
+
+
+def part_plain(a) -> None:
+    from vs_llamacpp import build
+
+    binary = build(a.jobs, "llama-bench")
+    pair = specchat.load_pair(target="gemma-3-270m", draft=None, n_ctx=2048, n_gpu_layers=0, n_threads=a.threads)
+    model = Path(pair.target.path)
+    plain_tps(pair, 8, 0.8)  # warm-up
+    ours, theirs = {0.0: [], 0.8: []}, []
+    for rep in range(a.reps):
+        order = ("bench", "ours") if rep % 2 == 0 else ("ours", "bench")
+        for who in order:
+            if who == "bench":
+                theirs.append(llama_bench(binary, model, 128, a.threads))
+            else:
+                for temp in ours:
+                    ours[temp].append(plain_tps(pair, 128, temp))
+    ref = statistics.median(theirs)
+    print(f"\n## plain decoding vs llama-bench tg128, gemma-3-270m, {a.threads} threads, {a.reps} alternating reps")
+    print(f"llama-bench tg128: {ref:.1f} tok/s (runs: {', '.join(f'{x:.1f}' for x in theirs)})")
+    for temp, values in ours.items():
+        tps = statistics.median(values)
+        print(f"specchat plain decoding, temp {temp}: {tps:.1f} tok/s = {tps / ref:.3f}x "
+              f"(runs: {', '.join(f'{x:.1f}' for x in values)})")
+    pair.close()
+
+
+def run_tty(args: list[str], env: dict) -> float:
+    """Run specchat with stdout on a pty (the live view); tok/s from its summary line."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    proc.wait()
+    os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    m = re.findall(r"(\d+) tokens · ([\d.]+) tok/s", text)
+    if proc.returncode != 0 or not m:
+        raise RuntimeError(f"tty run failed ({proc.returncode}): {proc.stderr.read().decode()[-1000:]} {text[-500:]}")
+    return float(m[-1][1])
+
+
+def part_view(a) -> None:
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "40"}
+    env.pop("NO_COLOR", None)
+    base = [sys.executable, "-m", "specchat.cli", "prompt", SUMMARY_PROMPT, "--pair", "gemma-lookup", "--temp", "0",
+            "-n", "256", "--ignore-eos", "-t", str(a.threads), "-c", "2048", "--draft-fixed", "4"]
+    tty, js = [], []
+    for rep in range(a.reps):
+        for who in (("tty", "json") if rep % 2 == 0 else ("json", "tty")):
+            if who == "tty":
+                tty.append(run_tty(base, env))
+            else:
+                out = subprocess.run([*base, "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                js.append(json.loads(out.stdout)["stats"]["tokens_per_second"])
+    t, j = statistics.median(tty), statistics.median(js)
+    print(f"\n## live view (pty) vs --json, gemma-lookup, greedy, -n 256, --draft-fixed 4, {a.reps} alternating reps")
+    print(f"live view: {t:.1f} tok/s (runs: {', '.join(f'{x:.1f}' for x in tty)})")
+    print(f"--json:    {j:.1f} tok/s (runs: {', '.join(f'{x:.1f}' for x in js)})")
+    print(f"live view / --json = {t / j:.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="host,plain,view")
+    parser.add_argument("--models", default="qwen,gemma")
+    parser.add_argument("-n", type=int, default=128)
+    parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    a = parser.parse_args()
+    print(f"llama-cpp-python {llama_cpp.__version__} · {a.threads} threads · {time.strftime('%Y-%m-%d %H:%M')}")
+    for part in a.parts.split(","):
+        {"host": part_host, "plain": part_plain, "view": part_view}[part](a)
+
+
+if __name__ == "__main__":
+    main()
