@@ -2,6 +2,7 @@
 
     python benchmarks/policy.py                 # both PyPI models, prompt lookup and a self-pair
     python benchmarks/policy.py --per-category 1 -n 64 --models smollm2-135m --drafters prompt-lookup
+    python benchmarks/policy.py --models qwen2.5-coder-1.5b --drafters model=qwen2.5-coder-0.5b,prompt-lookup
 
 For every prompt of the report's built-in set (six kinds of work) it runs each setting back to back,
 rotating the order per prompt, greedy, same seed, and prints generation tokens/s per category and the
@@ -85,6 +86,12 @@ def main() -> None:
                                                                  name=model + "-draft")
                 drafter = DraftModel.checked(draft_backend, target, p_min=0.75)
                 label = "self-pair"
+            elif kind.startswith("model="):  # a real draft model, e.g. model=qwen2.5-coder-0.5b
+                name = kind.split("=", 1)[1]
+                other = LlamaCppBackend(resolve(config.model(name)), n_ctx=2048, n_threads=a.threads, n_gpu_layers=0,
+                                        name=name)
+                drafter = DraftModel.checked(other, target, p_min=0.75)
+                label = name
             else:
                 drafter = PromptLookup(1, 4)
                 label = "prompt-lookup"

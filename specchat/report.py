@@ -21,6 +21,8 @@ draft model's own prefill is charged), target-only when nothing beats 1.0.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import platform
@@ -311,6 +313,30 @@ def projected_speedup(tau: float | None, drafted_per_step: float | None, c: floa
     return tau / (1.0 + c * drafted_per_step)
 
 
+# what the projection assumes, printed wherever it is shown
+PROJECTION_ASSUMPTION = (
+    "PROJECTED, not measured: assumes verifying k+1 tokens costs the same as decoding one (a GPU at batch 1) "
+    "and the draft/target cost ratio c measured here; acceptance per position as measured here"
+)
+
+
+def project_best_k(per_position: Sequence[float], c: float | None) -> dict | None:
+    """The best draft length where verification is free: maximise E(k) / (1 + c k), E(k) = 1 + sum of the
+    measured per-position acceptance (probability that drafts 1..i are all accepted) up to k. None when
+    nothing was drafted or c is unknown."""
+    if not per_position or c is None:
+        return None
+    expected = [1.0]
+    for a in per_position:
+        expected.append(expected[-1] + a)
+    speedups = [e / (1.0 + c * k) for k, e in enumerate(expected)]
+    best = max(range(len(speedups)), key=lambda k: (speedups[k] > speedups[0] * 1.0001, speedups[k], -k))
+    if speedups[best] <= speedups[0]:
+        best = 0
+    return {"k": best, "speedup": speedups[best], "tokens_per_step": expected[best], "draft_cost_ratio": c,
+            "per_position_acceptance": list(per_position), "measured_positions": len(per_position)}
+
+
 def summary_row(stats: RunStats, baseline: RunStats | None, *, drafter_kind: str | None, prompts: int, runs: int,
                 is_baseline: bool = False) -> dict:
     """One (category, setting) row: the merged RunStats' own metrics, plus speedups against `baseline`
@@ -382,11 +408,23 @@ def aggregate(records: Sequence[RunRecord], *, drafter_kind: str | None = None,
             )
             for name in names
         }
+    # The projection pools every drafting setting of a category: fixed-k runs measure each position
+    # without the policy's choices, and a longer k measures further positions.
+    projection = {}
+    for cat in [*categories, ALL]:
+        pooled = RunStats()
+        for name in names:
+            if name != BASELINE and (cat, name) in merged:
+                pooled.merge(merged[(cat, name)])
+        c = draft_cost_ratio(pooled, merged.get((cat, BASELINE)), drafter_kind)
+        projection[cat] = project_best_k(pooled.per_position_acceptance, c)
     return {
         "categories": categories,
         "settings": names,
         "summary": summary,
         "recommended": {cat: recommend(rows) for cat, rows in summary.items()},
+        "projected": projection,
+        "projection_assumption": PROJECTION_ASSUMPTION,
         "same_output_as_target_only": matches,
     }
 
@@ -539,6 +577,22 @@ def table_specs(agg: dict, *, categories: Sequence[str] | None = None, max_posit
              "step), c = draft cost per token / target-only cost per token (0 for prompt lookup).",
     ))
 
+    projected = agg.get("projected") or {}
+    rows = []
+    for cat in [*agg["categories"], ALL]:
+        pr = projected.get(cat)
+        if pr is None:
+            rows.append([cat, "–", "–", "–", "–"])
+        else:
+            rows.append([cat, _num(pr["draft_cost_ratio"]), str(pr["k"]), _num(pr["tokens_per_step"]),
+                         _times(pr["speedup"])])
+    specs.append(TableSpec(
+        "Projected where verifying k tokens costs one decode (a GPU at batch 1)",
+        ["category", "c", "best k", "τ at k", "proj. ×"], rows, highlight={len(rows) - 1},
+        note=agg.get("projection_assumption", PROJECTION_ASSUMPTION) + ". c = draft cost per drafted token / "
+             "target-only cost per token (0 for prompt lookup); τ at k = 1 + the per-position acceptance summed to k.",
+    ))
+
     n_pos = max((len(summary[c][s]["per_position_acceptance"]) for c in cats for s in spec_settings), default=0)
     shown = n_pos if max_positions is None else min(n_pos, max_positions)
     rows = []
@@ -608,8 +662,9 @@ def markdown_table(spec: TableSpec) -> str:
              "|" + "|".join("---" if c in ("category", "setting") else "---:" for c in spec.columns) + "|"]
     for i, row in enumerate(spec.rows):
         cells = [cell(c) for c in row]
-        if i in spec.highlight:  # the recommended setting
-            cells = [f"**{c}**" if j == spec.columns.index("setting") else c for j, c in enumerate(cells)]
+        if i in spec.highlight:  # the recommended setting (or the overall row)
+            key = spec.columns.index("setting") if "setting" in spec.columns else 0
+            cells = [f"**{c}**" if j == key else c for j, c in enumerate(cells)]
         lines.append("| " + " | ".join(cells) + " |")
     if spec.note:
         lines += ["", spec.note]
@@ -726,7 +781,7 @@ def build_doc(records: Sequence[RunRecord], *, target: str, drafter: str, drafte
         "target": target,
         "drafter": drafter,
         "drafter_kind": drafter_kind,
-        "params": {**{k: v for k, v in vars(params).items() if k != "banned"}, "max_tokens": max_tokens},
+        "params": {**{k: v for k, v in dataclasses.asdict(params).items() if k != "banned"}, "max_tokens": max_tokens},
         "prompts": {"source": source, "count": len(items), "runs": len(records),
                     "items": [{"id": i.id, "category": i.category, "turns": len(i.turns)} for i in items]},
         "setting_defs": [s.as_dict() for s in settings],
@@ -859,5 +914,9 @@ def report_command(
                       f"generation; run with {usage_hint(rec['setting'])})")
     else:
         console.print("Recommended overall: [bold]target-only[/] — no setting beat plain decoding on this machine")
+    pr = (doc.get("projected") or {}).get(ALL)
+    if pr is not None:
+        console.print(f"Projected on a GPU-like machine: draft k = {pr['k']}, {_times(pr['speedup'])} "
+                      f"({doc['projection_assumption']})", markup=False)
     for kind, path in paths.items():
         console.print(f"{kind:>8}: {path}")

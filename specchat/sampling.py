@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import lru_cache
 
 import numpy as np
 
@@ -33,13 +33,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    @cached_property
+    @property
     def banned_ids(self) -> np.ndarray:
-        return np.unique(np.asarray(self.banned, dtype=np.int64))
+        return _banned(self.banned)[0]
 
-    @cached_property
+    @property
     def banned_set(self) -> frozenset[int]:
-        return frozenset(self.banned)
+        return _banned(self.banned)[1]
 
     @property
     def has_penalty(self) -> bool:
@@ -136,6 +136,14 @@ class Dist:
     def __repr__(self) -> str:
         size = self.n_vocab if self.ids is None else len(self.ids)
         return f"Dist({size} of {self.n_vocab} tokens, top {self.max():.3g})"
+
+
+@lru_cache(maxsize=8)
+def _banned(banned: tuple[int, ...]) -> tuple[np.ndarray, frozenset[int]]:
+    """The banned ids as a sorted array and as a set, built once per distinct tuple (once per run)."""
+    ids = np.unique(np.asarray(banned, dtype=np.int64))
+    ids.flags.writeable = False  # shared by every call with the same tuple
+    return ids, frozenset(banned)
 
 
 def _penalised(

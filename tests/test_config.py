@@ -186,3 +186,35 @@ def test_model_resolution(tmp_path):
     assert "smollm2-135m" in str(info.value) and "owner/repo:file" in str(info.value)
     with pytest.raises(ConfigError, match="unknown pair 'nope' .*default"):
         cfg.pair("nope")
+
+
+def test_parts_model_from_toml(tmp_path, monkeypatch):
+    sha = "ab" * 32
+    cfg_file = write(tmp_path / "m.toml", f'[models.split]\nparts = "pkg_part{{1..3}}"\nsize = 10\nsha256 = "{sha.upper()}"\n'
+                     f'[models.listed]\nparts = ["a_one", "b_two"]\nsize = 5\nsha256 = "{sha}"\nfile = "x.gguf"\n')
+    monkeypatch.setenv("SPECCHAT_CONFIG", str(cfg_file))
+    cfg = load_config()
+    split, listed = cfg.models["split"], cfg.models["listed"]
+    assert (split.kind, split.parts, split.size, split.sha256, split.file) == (
+        "parts", ("pkg_part1", "pkg_part2", "pkg_part3"), 10, sha, "split.gguf")
+    assert (listed.parts, listed.file) == (("a_one", "b_two"), "x.gguf")
+
+
+@pytest.mark.parametrize(
+    "body, where, words",
+    [
+        ('parts = "pkg{3..1}"\nsize = 1\nsha256 = "' + "0" * 64 + '"', "parts", "range"),
+        ('parts = ["ok", "not-a-module"]\nsize = 1\nsha256 = "' + "0" * 64 + '"', "parts", "not a Python module"),
+        ('parts = 3\nsize = 1\nsha256 = "' + "0" * 64 + '"', "parts", "must be a list"),
+        ('parts = "pkg{1..2}"\nsha256 = "' + "0" * 64 + '"', "", "needs `size`"),
+        ('parts = "pkg{1..2}"\nsize = -4\nsha256 = "' + "0" * 64 + '"', "size", "positive integer"),
+        ('parts = "pkg{1..2}"\nsize = 4\nsha256 = "xyz"', "sha256", "64 hex digits"),
+        ('parts = "pkg{1..2}"\nsize = 4\nsha256 = "' + "0" * 64 + '"\nassemble = true', "assemble", "only a package"),
+        ('parts = "pkg{1..2}"\nsize = 4\nsha256 = "' + "0" * 64 + '"\nfile = "../x.gguf"', "file", "plain file name"),
+        ('path = "x.gguf"\nsize = 4', "size", "only a parts model"),
+    ],
+)
+def test_bad_parts_models(tmp_path, monkeypatch, body, where, words):
+    err = load_error(tmp_path, monkeypatch, f"[models.m]\n{body}\n")
+    assert words in str(err), str(err)
+    assert err.key == ("models.m." + where if where else "models.m")

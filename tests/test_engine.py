@@ -30,7 +30,7 @@ from specchat.backend import BackendError
 from specchat.drafters import Draft, PromptLookup
 from specchat.engine import Finished, PromptTooLong, StepEvent, TokenEvent, generate
 from specchat.policy import FixedPolicy
-from specchat.sampling import SamplingParams, apply_penalties, process
+from specchat.sampling import SamplingParams, apply_penalties, draft_confidence, process
 
 V = 12
 EOG = 11
@@ -509,6 +509,25 @@ def test_draft_p_min_stops_drafting_early(params):
     assert db.tokens == PROMPT + [1, 1]  # the stopped position was evaluated for its logits, nothing after
     dm0, _ = make_draft_model(fn, V, p_min=0.0)
     assert len(dm0.propose(PROMPT, 4, params, np.random.default_rng(0)).tokens) == 4
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=0)], ids=["greedy", "sampled"])
+def test_draft_p_min_measures_like_llama_cpp(params):
+    """llama.cpp's --spec-draft-p-min reads the top token's probability after its draft sampler's top-k 10
+    at temperature 1, not over the whole vocabulary: with 199 flat tokens under a favourite 3 logits up,
+    that is e^3 / (e^3 + 9) = 0.69 (over all 200 it would be 0.09). p_min 0.5 drafts, 0.7 stops at once."""
+    n = 200
+
+    def fn(ctx):
+        row = np.zeros(n, dtype=np.float32)
+        row[1] = 3.0
+        return row
+
+    assert draft_confidence(fn(())) == pytest.approx(np.exp(3) / (np.exp(3) + 9))
+    dm, _ = make_draft_model(fn, n, p_min=0.5)
+    assert len(dm.propose(PROMPT, 3, params, np.random.default_rng(0)).tokens) == 3
+    strict, _ = make_draft_model(fn, n, p_min=0.7)
+    assert strict.propose(PROMPT, 3, params, np.random.default_rng(0)).tokens == []
 
 
 def test_draft_min_discards_short_drafts():

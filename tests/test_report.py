@@ -290,20 +290,22 @@ def test_tables_show_the_numbers():
     agg = rp.aggregate(hand_records(), drafter_kind="draft-model")
     specs = rp.table_specs(agg)
     assert [s.title.split(" (")[0] for s in specs] == [
-        "Recommended setting per category", "Speed and acceptance", "Per-position acceptance",
-        "Accepted-length histogram"]
+        "Recommended setting per category", "Speed and acceptance",
+        "Projected where verifying k tokens costs one decode", "Per-position acceptance", "Accepted-length histogram"]
     rec_rows = {row[0]: row for row in specs[0].rows}
     assert rec_rows["a"][2:5] == ["k=2", "2.33×", "3.00×"]
     assert rec_rows["b"][2] == "target-only"
+    projected = {row[0]: row[1:] for row in specs[2].rows}
+    assert projected["a"] == ["0.04", "2", "2.00", "1.85×"] and "PROJECTED" in specs[2].note
     speed = {(row[0], row[1]): row for row in specs[1].rows}
     assert speed[("a", "k=2")][2:] == ["6", "50%", "2.00", "24.0", "3.00×", "2.33×", "17%", "1.85×"]
-    positions = {(row[0], row[1]): row[2:] for row in specs[2].rows}
+    positions = {(row[0], row[1]): row[2:] for row in specs[3].rows}
     assert positions[("all", "k=2")] == ["60% (5)", "25% (4)"]
-    hist = {(row[0], row[1]): row[2:] for row in specs[3].rows}
+    hist = {(row[0], row[1]): row[2:] for row in specs[4].rows}
     assert hist[("all", "k=2")] == ["0", "2", "2", "1"]
     compact = rp.table_specs(agg, categories=["all"], max_positions=1, compact=True)
-    assert compact[2].rows == [["all", "k=2", "60%"]]
-    assert "beyond 1" in compact[2].note
+    assert compact[3].rows == [["all", "k=2", "60%"]]
+    assert "beyond 1" in compact[3].note
 
 
 # -- the run loop, over fake backends ----------------------------------------------------------------
@@ -475,3 +477,25 @@ def test_real_incompatible_pair_is_refused_with_the_engine_message(tmp_path):
                     "--out", str(tmp_path / "rep")], tmp_path)
     assert_user_error(proc, "cannot draft for target")
     assert not (tmp_path / "rep" / "report.json").exists()
+
+
+def test_project_best_k_by_hand():
+    # E(k) = 1, 1.9, 2.71, 3.21; with c = 0.1: 1, 1.727, 2.258, 2.469 -> k = 3
+    pr = rp.project_best_k([0.9, 0.81, 0.5], 0.1)
+    assert pr["k"] == 3 and pr["speedup"] == pytest.approx(3.21 / 1.3) and pr["tokens_per_step"] == pytest.approx(3.21)
+    # a draft as costly as the target never pays, even when always right
+    assert rp.project_best_k([1.0, 1.0], 1.0)["k"] == 0
+    # free drafts (prompt lookup): every measured position that adds anything is worth drafting
+    assert rp.project_best_k([0.6, 0.3, 0.0], 0.0)["k"] == 2
+    assert rp.project_best_k([], 0.1) is None and rp.project_best_k([0.5], None) is None
+
+
+def test_projection_pools_the_drafting_settings_of_a_category():
+    agg = rp.aggregate(hand_records(), drafter_kind="draft-model")
+    # category a: k=2 only, positions [2/3, 1/3], c = (0.03 s / 6 drafted) / (0.5 s / 4 tokens) = 0.04
+    a = agg["projected"]["a"]
+    assert a["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3]) and a["draft_cost_ratio"] == pytest.approx(0.04)
+    assert a["k"] == 2 and a["speedup"] == pytest.approx(2.0 / 1.08)
+    # all: both categories' k=2 runs pooled (5 steps: position 1 tried 5 times, accepted 2 + 1)
+    assert agg["projected"]["all"]["per_position_acceptance"][0] == pytest.approx(3 / 5)
+    assert "PROJECTED" in agg["projection_assumption"]

@@ -317,3 +317,106 @@ def test_hub_repository_not_found(monkeypatch):
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", fail)
     with pytest.raises(SourceError, match=r"^cannot download no/such:Q4_K_M: repository not found"):
         resolve(hub("no/such:Q4_K_M"))
+
+
+# --- parts: one file split over data packages ------------------------------------------------------------
+
+import hashlib  # noqa: E402
+
+
+def make_parts(root: Path, prefix: str, chunks: list[bytes]) -> tuple[str, int, str]:
+    """Part packages prefix1..prefixN under root, each holding data/partNN.bin; returns (range, size, sha)."""
+    for i, chunk in enumerate(chunks, start=1):
+        pkg = root / f"{prefix}{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise RuntimeError('part packages are never imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+    whole = b"".join(chunks)
+    return f"{prefix}{{1..{len(chunks)}}}", len(whole), hashlib.sha256(whole).hexdigest()
+
+
+def parts_spec(name, ref, size, sha, file=None) -> ModelSpec:
+    from specchat.config import expand_parts
+
+    return ModelSpec(name=name, kind="parts", ref=ref, parts=expand_parts(ref), size=size, sha256=sha,
+                     file=file or f"{name}.gguf")
+
+
+CHUNKS = [b"GGUF" + bytes(range(200)) * 50, bytes(range(256)) * 40, b"tail" * 1000]
+
+
+def test_parts_are_joined_once_checked_and_moved_into_place(tmp_path, monkeypatch):
+    from specchat import sources
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref, size, sha = make_parts(tmp_path, "joinok_part", CHUNKS)
+    spec = parts_spec("joined", ref, size, sha)
+    assert sources.is_present(spec)  # the parts are here: resolving needs no network
+    path = resolve(spec, progress=False)
+    assert path == sources.joined_path(spec) and path.read_bytes() == b"".join(CHUNKS)
+    assert [p.name for p in path.parent.iterdir() if "partial" in p.name] == []
+    # a finished file is trusted by its size: no second join (the parts could even be gone)
+    for i in range(1, 4):
+        (tmp_path / f"joinok_part{i}" / "data" / f"part{i:02d}.bin").unlink()
+    assert resolve(spec, progress=False) == path
+    assert "3 parts" in sources.describe(spec)
+
+
+def test_parts_with_a_wrong_checksum_leave_nothing_behind(tmp_path, monkeypatch):
+    from specchat import sources
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref, size, _ = make_parts(tmp_path, "badsum_part", CHUNKS)
+    spec = parts_spec("badsum", ref, size, "0" * 64)
+    with pytest.raises(SourceError) as info:
+        resolve(spec, progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg and "sha256" in msg and "partial file was removed" in msg
+    folder = sources.joined_path(spec).parent
+    assert not sources.joined_path(spec).exists()
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".badsum")] == []
+
+
+def test_parts_of_the_wrong_size_are_refused_before_joining(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref, size, sha = make_parts(tmp_path, "badsize_part", CHUNKS)
+    with pytest.raises(SourceError) as info:
+        resolve(parts_spec("badsize", ref, size + 1, sha), progress=False)
+    assert f"hold {size} bytes, models.toml expects {size + 1}" in str(info.value)
+
+
+def test_an_interrupted_join_never_leaves_a_complete_looking_file(tmp_path, monkeypatch):
+    from specchat import sources
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref, size, sha = make_parts(tmp_path, "interrupt_part", CHUNKS)
+    spec = parts_spec("interrupted", ref, size, sha)
+    class Boom:
+        def update(self, data):
+            raise KeyboardInterrupt
+
+        def hexdigest(self):
+            return ""
+
+    monkeypatch.setattr(sources.hashlib, "sha256", lambda: Boom())
+    with pytest.raises(KeyboardInterrupt):
+        resolve(spec, progress=False)
+    folder = sources.joined_path(spec).parent
+    assert not sources.joined_path(spec).exists()
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".interrupted")] == []
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve(spec, progress=False).read_bytes() == b"".join(CHUNKS)  # the next run joins it whole
+
+
+def test_a_missing_part_names_the_package_and_the_extra(tmp_path, monkeypatch):
+    from specchat import sources
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sources, "_EXTRA_PREFIXES", {"fakeqwen_part": "qwen"})
+    make_parts(tmp_path, "fakeqwen_part", CHUNKS[:2])  # part 3 of 3 is missing
+    spec = parts_spec("qwen-missing", "fakeqwen_part{1..3}", 10, "0" * 64)
+    assert not sources.is_present(spec)
+    with pytest.raises(SourceError) as info:
+        resolve(spec, progress=False)
+    assert str(info.value) == "model package 'fakeqwen_part3' is not installed; run: pip install 'specchat[qwen]'"
