@@ -333,8 +333,11 @@ def project_best_k(per_position: Sequence[float], c: float | None) -> dict | Non
     best = max(range(len(speedups)), key=lambda k: (speedups[k] > speedups[0] * 1.0001, speedups[k], -k))
     if speedups[best] <= speedups[0]:
         best = 0
+    # the dearest draft that still pays at some k: speedup(k) > 1 iff c < (E(k) - 1) / k
+    break_even = max((expected[k] - 1.0) / k for k in range(1, len(expected)))
     return {"k": best, "speedup": speedups[best], "tokens_per_step": expected[best], "draft_cost_ratio": c,
-            "per_position_acceptance": list(per_position), "measured_positions": len(per_position)}
+            "break_even_cost_ratio": break_even, "per_position_acceptance": list(per_position),
+            "measured_positions": len(per_position)}
 
 
 def summary_row(stats: RunStats, baseline: RunStats | None, *, drafter_kind: str | None, prompts: int, runs: int,
@@ -582,15 +585,16 @@ def table_specs(agg: dict, *, categories: Sequence[str] | None = None, max_posit
     for cat in [*agg["categories"], ALL]:
         pr = projected.get(cat)
         if pr is None:
-            rows.append([cat, "–", "–", "–", "–"])
+            rows.append([cat, "–", "–", "–", "–", "–"])
         else:
             rows.append([cat, _num(pr["draft_cost_ratio"]), str(pr["k"]), _num(pr["tokens_per_step"]),
-                         _times(pr["speedup"])])
+                         _times(pr["speedup"]), _num(pr["break_even_cost_ratio"])])
     specs.append(TableSpec(
         "Projected where verifying k tokens costs one decode (a GPU at batch 1)",
-        ["category", "c", "best k", "τ at k", "proj. ×"], rows, highlight={len(rows) - 1},
+        ["category", "c", "best k", "τ at k", "proj. ×", "pays if c <"], rows, highlight={len(rows) - 1},
         note=agg.get("projection_assumption", PROJECTION_ASSUMPTION) + ". c = draft cost per drafted token / "
-             "target-only cost per token (0 for prompt lookup); τ at k = 1 + the per-position acceptance summed to k.",
+             "target-only cost per token (0 for prompt lookup); τ at k = 1 + the per-position acceptance summed to k; "
+             "pays if c <: on hardware where the draft's cost ratio is below this, some k gains.",
     ))
 
     n_pos = max((len(summary[c][s]["per_position_acceptance"]) for c in cats for s in spec_settings), default=0)
@@ -916,7 +920,8 @@ def report_command(
         console.print("Recommended overall: [bold]target-only[/] — no setting beat plain decoding on this machine")
     pr = (doc.get("projected") or {}).get(ALL)
     if pr is not None:
-        console.print(f"Projected on a GPU-like machine: draft k = {pr['k']}, {_times(pr['speedup'])} "
-                      f"({doc['projection_assumption']})", markup=False)
+        console.print(f"Projected on a GPU-like machine: draft k = {pr['k']}, {_times(pr['speedup'])}; drafting pays "
+                      f"where the draft costs < {_num(pr['break_even_cost_ratio'])}x the target per token "
+                      f"(c = {_num(pr['draft_cost_ratio'])} here) ({doc['projection_assumption']})", markup=False)
     for kind, path in paths.items():
         console.print(f"{kind:>8}: {path}")

@@ -296,7 +296,7 @@ def test_tables_show_the_numbers():
     assert rec_rows["a"][2:5] == ["k=2", "2.33×", "3.00×"]
     assert rec_rows["b"][2] == "target-only"
     projected = {row[0]: row[1:] for row in specs[2].rows}
-    assert projected["a"] == ["0.04", "2", "2.00", "1.85×"] and "PROJECTED" in specs[2].note
+    assert projected["a"] == ["0.04", "2", "2.00", "1.85×", "0.67"] and "PROJECTED" in specs[2].note
     speed = {(row[0], row[1]): row for row in specs[1].rows}
     assert speed[("a", "k=2")][2:] == ["6", "50%", "2.00", "24.0", "3.00×", "2.33×", "17%", "1.85×"]
     positions = {(row[0], row[1]): row[2:] for row in specs[3].rows}
@@ -483,6 +483,7 @@ def test_project_best_k_by_hand():
     # E(k) = 1, 1.9, 2.71, 3.21; with c = 0.1: 1, 1.727, 2.258, 2.469 -> k = 3
     pr = rp.project_best_k([0.9, 0.81, 0.5], 0.1)
     assert pr["k"] == 3 and pr["speedup"] == pytest.approx(3.21 / 1.3) and pr["tokens_per_step"] == pytest.approx(3.21)
+    assert pr["break_even_cost_ratio"] == pytest.approx(0.9)  # max(0.9/1, 1.71/2, 2.21/3)
     # a draft as costly as the target never pays, even when always right
     assert rp.project_best_k([1.0, 1.0], 1.0)["k"] == 0
     # free drafts (prompt lookup): every measured position that adds anything is worth drafting
