@@ -102,11 +102,9 @@ def test_the_policy_measures_the_draft_models_cost():
     try:
         policy = make_policy(loaded, 16, None)
         assert isinstance(policy, AdaptivePolicy) and policy.draft_cost is not None
-        ratio = policy.draft_cost(1) / policy.verify_cost(1)
-        # the 0.5B costs about 0.6x the 1.5B here: measured, not assumed (wide bounds: timings on a loaded
-        # machine move, and this asserts that a measurement happened, not a speed)
-        assert policy.draft_cost.seconds != policy.verify_cost.seconds
-        assert 0.1 < ratio < 1.5, ratio
+        # measured, not assumed: each model timed on its own (no bound on the ratio: that would be a timed
+        # assertion, and a loaded machine moves it; the policy benchmark reports it)
+        assert policy.draft_cost(1) > 0 and policy.draft_cost.seconds != policy.verify_cost.seconds
         costs = json.loads((cache_dir() / "costs.json").read_text())  # both models timed and cached
         for backend in (loaded.target, loaded.drafter.backend):
             entry = costs[cost_cache_key(backend)]
