@@ -74,7 +74,7 @@ def host_run(timer: DecodeTimer, pair, drafter, ids, temp: float, k: int, n: int
     for _ in range(3):
         finished = None
         events = specchat.generate(pair.target, drafter, ids, params, max_tokens=n, policy=policy)
-        first = next(events)  # the prompt is evaluated when the generator starts: not part of the loop
+        next(events)  # the prompt is evaluated when the generator starts: not part of the loop
         decode_before = timer.seconds
         t0 = time.perf_counter()
         for event in events:
@@ -87,7 +87,6 @@ def host_run(timer: DecodeTimer, pair, drafter, ids, temp: float, k: int, n: int
         row = {"steps": stats.steps, "tokens": stats.emitted, "host_ms_step": 1e3 * host / stats.steps,
                "host_ms_token": 1e3 * host / stats.emitted, "decode_ms_step": 1e3 * decoded / stats.steps,
                "tps": stats.emitted / wall, "accept": stats.acceptance_rate}
-        del first
         if best is None or row["host_ms_step"] < best["host_ms_step"]:
             best = row
     return best

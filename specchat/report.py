@@ -11,7 +11,7 @@ Three layers, each usable alone:
 - prompts:     `parse_prompts` / `load_prompts` / `select_prompts` (pure; errors carry file:line);
 - running:     `run_report` drives `engine.generate` and turns each event stream into a `RunRecord`;
 - aggregation: `aggregate(records)` -> per category and overall, per setting, the metrics of
-               DESIGN.md section 4, computed by `stats.RunStats` (merged, never redefined) plus speedups
+               README "Metrics", computed by `stats.RunStats` (merged, never redefined) plus speedups
                against the same category's target-only runs and the "projected" GPU-like speedup;
 - rendering:   `table_specs` (plain strings) feeds both the Rich tables and report.md; `write_chart`.
 
@@ -693,7 +693,7 @@ def render_markdown(doc: dict) -> str:
         f"seed {p['seed']}",
         f"- overall recommendation: {verdict}",
         "",
-        "Metrics (DESIGN.md section 4): acceptance = accepted / drafted draft tokens; τ (mean accepted length) = "
+        "Metrics: acceptance = accepted / drafted draft tokens; τ (mean accepted length) = "
         "tokens emitted per target verify step, the target's own token included (plain decoding = 1.0); "
         "per-position acceptance[i] = steps whose draft i was accepted / steps that drafted more than i; "
         "speedup = tok/s with the setting / tok/s target-only, same prompts in the same run, for the generation "

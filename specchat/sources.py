@@ -271,9 +271,9 @@ class _join_progress:
         self._progress = None
 
     def __enter__(self):
-        console = Console(stderr=True)
         if not self.enabled:
             return lambda n: None
+        console = Console(stderr=True)
         if not console.is_terminal:
             console.print(f"specchat: joining {self.spec.name} from {len(self.spec.parts)} packages (first use)…",
                           markup=False, highlight=False)

@@ -1,4 +1,4 @@
-"""Speculation metrics, with the names of DESIGN.md section 4, aggregated from per-step records.
+"""Speculation metrics, as defined in README "Metrics", aggregated from per-step records.
 
 The engine, the live footer, `--json` and the acceptance report all read these numbers from here, so a
 metric is defined once.

@@ -1,5 +1,5 @@
 """`specchat report`: settings and prompt parsing, aggregation checked number by number against hand
-computation (DESIGN.md section 4), the run loop over fake backends, the written files, bad input through
+computation (README "Metrics"), the run loop over fake backends, the written files, bad input through
 the real CLI, and one small report on the real default pair."""
 
 from __future__ import annotations

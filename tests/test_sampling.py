@@ -1,4 +1,4 @@
-"""Losslessness of the speculative rule (DESIGN.md section 2), plus unit tests of `specchat.sampling`.
+"""Losslessness of the speculative rule (Leviathan et al. 2023), plus unit tests of `specchat.sampling`.
 
 The claim: whatever the drafter proposes, the emitted tokens are distributed exactly as plain sampling from
 the target's PROCESSED distribution `process(target_logits, params, history)`. With fake backends whose
