@@ -461,7 +461,9 @@ class ChatSession:
     def _view(self):
         if self._make_view is not None:
             return self._make_view()
-        return ui.make_view(self.console, self.out, live=self.live)
+        from .crossvocab import rule_label
+
+        return ui.make_view(self.console, self.out, live=self.live, label=rule_label(self.drafter, self.params))
 
     def prefill(self) -> None:
         """After --resume: evaluate the restored conversation once, now rather than at the first turn."""
@@ -610,6 +612,7 @@ def chat_command(
     draft_fixed: opt.DraftFixed = None,
     lookup_min: opt.LookupMin = 1,
     lookup_max: opt.LookupMax = 4,
+    cross_vocab: opt.CrossVocab = "auto",
     ctx_size: opt.Ctx = 4096,
     ngl: opt.Ngl = None,
     ngld: opt.Ngld = None,
@@ -633,7 +636,7 @@ def chat_command(
         top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
         draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
-        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads,
+        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab,
     )
     resumed = load_transcript(resume) if resume is not None else None
     interactive = sys.stdin.isatty() and sys.stdout.isatty()

@@ -14,6 +14,7 @@ from rich.console import Console
 from . import options as opt
 from . import ui
 from .config import load_config
+from .crossvocab import rule_info, rule_label
 from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
 from .policy import make_policy
@@ -56,6 +57,7 @@ def prompt(
     draft_fixed: opt.DraftFixed = None,
     lookup_min: opt.LookupMin = 1,
     lookup_max: opt.LookupMax = 4,
+    cross_vocab: opt.CrossVocab = "auto",
     ctx_size: opt.Ctx = 4096,
     ngl: opt.Ngl = None,
     ngld: opt.Ngld = None,
@@ -75,7 +77,7 @@ def prompt(
         top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
         draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
-        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads,
+        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab,
     )
     text = read_prompt(text)
     err = ui.make_console(stderr=True, no_color=no_color)  # no_color=False still honours NO_COLOR
@@ -105,7 +107,7 @@ def prompt(
             out = ui.make_console(no_color=no_color)
             if ui.colour_on(out):
                 out.print(ui.legend())
-            finished = ui.show(events, ui.LiveView(out))
+            finished = ui.show(events, ui.LiveView(out, label=rule_label(loaded.drafter, run.params)))
             if finished is not None:
                 out.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
                 if show_stats:
@@ -137,6 +139,9 @@ def print_json(events, loaded: Loaded, run: RunOptions) -> Finished:
         "params": {**dataclasses.asdict(run.params), "draft_max": run.draft_max, "draft_fixed": run.draft_fixed},
         "stats": finished.stats.as_dict(),
     }
+    cross = rule_info(loaded.drafter, run.params)
+    if cross is not None:  # a draft with another tokenizer: which rule ran
+        doc["cross_vocab"] = cross
     json.dump(doc, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     return finished

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .backend import Backend, BackendError, LlamaCppBackend
 from .config import PROMPT_LOOKUP, Config, ModelSpec
-from .drafters import DraftModel, Drafter, PromptLookup
+from .drafters import DraftModel, Drafter, IncompatibleDraft, PromptLookup
 from .sources import resolve
 
 
@@ -29,6 +29,7 @@ class LoadOptions:
     draft_min: int = 0
     lookup_min: int = 1
     lookup_max: int = 4
+    cross_vocab: str = "auto"  # rule for a draft with another tokenizer: auto | slem | tli
 
 
 @dataclass
@@ -109,8 +110,16 @@ def load(
             name=draft_spec.name,
         )
         try:
-            drafter = DraftModel.checked(draft_backend, target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
-        except BackendError:
+            try:
+                drafter = DraftModel.checked(draft_backend, target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
+            except IncompatibleDraft:
+                # another tokenizer: draft in the draft's own tokens, verify re-tokenised (crossvocab.py)
+                from .crossvocab import CrossVocabDrafter
+
+                status(f"mapping {draft_spec.name}'s vocabulary to {target_spec.name}'s")
+                drafter = CrossVocabDrafter(draft_backend, target, rule=opts.cross_vocab, p_min=opts.draft_p_min,
+                                            draft_min=opts.draft_min)
+        except BaseException:
             draft_backend.close()
             raise
         return Loaded(target, drafter, target_spec, draft_spec, draft_spec.name)

@@ -6,6 +6,7 @@ from rich.table import Table
 
 from .backend import BackendError, check_compatible, read_vocab
 from .config import PROMPT_LOOKUP, Config, ConfigError
+from .crossvocab import file_vocab_map, vocabulary_note
 from .sources import SourceError, describe, is_present, resolve
 
 
@@ -20,7 +21,7 @@ def models_tables(config: Config) -> list[Table]:
                        spec.description)
 
     pairs = Table(title="Pairs", title_justify="left")
-    for column in ("name", "target", "drafter", "compatible", "description"):
+    for column in ("name", "target", "drafter", "vocabulary", "description"):
         pairs.add_column(column, overflow="fold")
     vocabs: dict[str, object] = {}
     for name, pair in config.pairs.items():
@@ -29,19 +30,23 @@ def models_tables(config: Config) -> list[Table]:
 
 
 def _compatibility(config: Config, pair, vocabs: dict) -> str:
-    """Checked with llama.cpp's rule when both files are here (reads vocabularies only, no weights)."""
+    """llama.cpp's rule when both files are here (reads vocabularies only, no weights): the same
+    vocabulary, or different tokenizers (drafted across vocabularies) and how much of the draft's the
+    target shares (the map is cached, see crossvocab.py)."""
     if pair.draft == PROMPT_LOOKUP:
-        return "[green]yes[/] (any model)"
+        return "any (prompt lookup drafts the target's own tokens)"
     try:
         specs = [config.model(pair.target), config.model(pair.draft)]
         if not all(is_present(s) for s in specs):
             return "[dim]unknown until downloaded[/]"
-        infos = []
+        infos, files = [], []
         for spec in specs:
+            files.append(resolve(spec, download=False))
             if spec.name not in vocabs:
-                vocabs[spec.name] = read_vocab(resolve(spec, download=False))
+                vocabs[spec.name] = read_vocab(files[-1])
             infos.append(vocabs[spec.name])
+        if check_compatible(*infos) is None:
+            return f"[green]{vocabulary_note(None)}[/]"
+        return f"[yellow]{vocabulary_note(file_vocab_map(*files))}[/]"
     except (ConfigError, SourceError, BackendError) as e:
         return f"[red]error[/]: {e}"
-    problem = check_compatible(*infos)
-    return "[green]yes[/]" if problem is None else f"[red]no[/]: {problem}"

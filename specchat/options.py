@@ -76,6 +76,10 @@ DraftFixed = Annotated[
     int | None,
     typer.Option("--draft-fixed", min=0, help="Always draft exactly N tokens (disables the adaptive policy; for experiments).", rich_help_panel=SPEC),
 ]
+CrossVocab = Annotated[
+    str,
+    typer.Option("--cross-vocab", help="Rule for a draft model with another tokenizer: slem (exact match of the re-tokenised text), tli (draft restricted to the shared vocabulary, min(1, p/q)), or auto (tli at temperature > 0 when the vocabularies share enough, else slem).", rich_help_panel=SPEC),
+]
 LookupMin = Annotated[int, typer.Option("--lookup-min", min=1, help="Prompt lookup: shortest n-gram to match.", rich_help_panel=SPEC)]
 LookupMax = Annotated[int, typer.Option("--lookup-max", min=1, help="Prompt lookup: longest n-gram to match.", rich_help_panel=SPEC)]
 Ctx = Annotated[int, typer.Option("-c", "--ctx-size", min=16, help="Context size in tokens.", rich_help_panel=HARDWARE)]

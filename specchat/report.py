@@ -833,6 +833,7 @@ def report_command(
     draft_p_min: opt.DraftPMin = 0.75,
     lookup_min: opt.LookupMin = 1,
     lookup_max: opt.LookupMax = 4,
+    cross_vocab: opt.CrossVocab = "auto",
     ctx_size: opt.Ctx = 4096,
     ngl: opt.Ngl = None,
     ngld: opt.Ngld = None,
@@ -866,7 +867,7 @@ def report_command(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed,
         draft_max=max(longest, POLICY_DRAFT_MAX if any(s.k is None for s in settings) else 0), draft_min=draft_min,
         draft_p_min=draft_p_min, draft_fixed=None, lookup_min=lookup_min, lookup_max=lookup_max, ctx_size=ctx_size,
-        ngl=ngl, ngld=ngld, threads=threads,
+        ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab,
     )
     err = Console(stderr=True, no_color=no_color)
     console = Console(no_color=no_color)
@@ -899,11 +900,17 @@ def report_command(
                 render=render_messages, policy_for=policy_for, on_start=on_start,
                 on_run=lambda *a: progress.advance(task),
             )
+        from .crossvocab import rule_info, rule_label
+
+        rule = rule_label(loaded.drafter, run.params)
         doc = build_doc(
-            records, target=loaded.target_spec.name, drafter=loaded.drafter_label,
+            records, target=loaded.target_spec.name,
+            drafter=loaded.drafter_label + (f" ({rule})" if rule else ""),
             drafter_kind=getattr(loaded.drafter, "kind", None), settings=settings, items=items, source=source,
             params=run.params, max_tokens=run.max_tokens, threads=getattr(loaded.target, "n_threads", None),
         )
+        if rule:
+            doc["cross_vocab"] = rule_info(loaded.drafter, run.params)
     paths = write_outputs(doc, out)
     console.print(f"[bold]{doc['target']}[/] drafted by [bold]{doc['drafter']}[/] · {len(items)} prompts · "
                   f"{len(records)} runs · max {run.max_tokens} tokens · temp {run.params.temperature}")

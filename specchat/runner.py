@@ -50,13 +50,19 @@ def run_options(
     *,
     target, draft, pair, no_spec, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
     frequency_penalty, presence_penalty, seed, draft_max, draft_min, draft_p_min, draft_fixed, lookup_min,
-    lookup_max, ctx_size, ngl, ngld, threads,
+    lookup_max, ctx_size, ngl, ngld, threads, cross_vocab="auto",
 ) -> RunOptions:
     if lookup_min > lookup_max:
         raise UserError(f"--lookup-min ({lookup_min}) must not exceed --lookup-max ({lookup_max})")
     draft_max = 16 if draft_max is None else draft_max
     if draft_min > draft_max:
         raise UserError(f"--draft-min ({draft_min}) must not exceed --draft-max ({draft_max})")
+    from .crossvocab import check_rule
+
+    try:
+        cross_vocab = check_rule(cross_vocab)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     params = sampling_params(
         temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
         repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed,
@@ -65,6 +71,7 @@ def run_options(
     load_opts = LoadOptions(
         n_ctx=ctx_size, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, n_threads=threads,
         draft_p_min=draft_p_min, draft_min=draft_min, lookup_min=lookup_min, lookup_max=lookup_max,
+        cross_vocab=cross_vocab,
     )
     return RunOptions(selection, load_opts, params, draft_max, draft_fixed, max_tokens)
 

@@ -165,7 +165,6 @@ def test_prompt_from_stdin_plain_output(tmp_path):
     assert "\x1b[" not in result.stdout  # not a terminal: plain text only
 
 
-@pytest.mark.real
-def test_incompatible_pair_is_refused(tmp_path):
-    result = specchat("prompt", "hi", "-m", "gemma-3-270m", "-md", "smollm2-135m", home=tmp_path)
-    assert_user_error(result, "cannot draft for", "prompt-lookup")
+@pytest.mark.parametrize("value", ["nope", "", "SLEMX"])
+def test_bad_cross_vocab_rule(tmp_path, value):
+    assert_user_error(specchat("prompt", "hi", "--cross-vocab", value, home=tmp_path), "--cross-vocab", "slem")

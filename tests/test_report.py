@@ -471,14 +471,6 @@ def test_real_report_on_the_default_pair(tmp_path):
         image.verify()
 
 
-@pytest.mark.real
-def test_real_incompatible_pair_is_refused_with_the_engine_message(tmp_path):
-    proc = run_cli(["-m", "smollm2-135m", "-md", "gemma-3-270m", "--limit", "1", "-n", "4",
-                    "--out", str(tmp_path / "rep")], tmp_path)
-    assert_user_error(proc, "cannot draft for target")
-    assert not (tmp_path / "rep" / "report.json").exists()
-
-
 def test_project_best_k_by_hand():
     # E(k) = 1, 1.9, 2.71, 3.21; with c = 0.1: 1, 1.727, 2.258, 2.469 -> k = 3
     pr = rp.project_best_k([0.9, 0.81, 0.5], 0.1)

@@ -1,0 +1,543 @@
+"""Drafting across tokenizers: a draft model with its own vocabulary proposes for the target.
+
+The draft keeps the conversation in its own tokens and its own KV cache (reused across steps and turns,
+like `drafters.DraftModel`): the target's committed tokens are turned into text and that text into draft
+tokens, incrementally. What the draft proposes goes back to the target as target tokens, by one of two
+lossless rules (Timor et al. 2025, "Accelerating LLM inference with lossless speculative decoding
+algorithms for heterogeneous vocabularies"):
+
+- SLEM (string-level exact match): the draft's text is re-tokenised with the target's tokenizer and sent
+  as deterministic proposals (q = None). The engine's rule then keeps a proposal d with probability
+  p(d) and otherwise samples the residual p without d: exactly the distribution of "the target samples
+  its own token and keeps the proposal while they are equal". Lossless under any sampler.
+- TLI (token-level intersection): the draft's distribution is restricted to the tokens both
+  vocabularies share (same text), renormalised and mapped to target ids; the standard min(1, p/q) rule
+  applies. Lossless, and more is accepted at temperature > 0 when the shared vocabulary is large.
+
+Boundaries. A committed target token is never changed: proposals are always the re-tokenisation of the
+draft's NEW text alone, appended after the committed tokens. The draft's tokens spell exactly the
+committed text; when they cannot (an unfinished UTF-8 character at the end, a tokenizer that does not
+round-trip), that step drafts nothing. Special tokens are mapped explicitly: a target special token goes
+to the draft token with the same name (`<|im_start|>` in both ChatML models), the target's BOS to the
+draft's BOS where the draft adds one (else nowhere), and any other is rendered as its name in plain text
+(`<end_of_turn>`). A draft special token becomes the target token of the same name and ends the draft;
+one the target does not have ends the draft before it.
+
+The vocabulary map (draft id -> target id with the same text) is built once per pair of files and cached
+in the cache dir (`vocab-maps/`), keyed by both files.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .backend import Backend, BackendError, VocabInfo, check_gguf_file, sync
+from .drafters import Draft
+from .sampling import Dist, SamplingParams, apply_penalties, draft_confidence, process, sample, top_k_ids
+
+RULES = ("auto", "slem", "tli")
+# auto uses TLI (at temperature > 0) only when at least this share of the draft's tokens exist in the
+# target's vocabulary: below it the restricted distribution loses too much of the draft's mass
+TLI_MIN_SHARED = 0.5
+MAP_VERSION = 1
+
+
+def check_rule(rule: str) -> str:
+    """The rule name normalised, or ValueError with a one-line message."""
+    name = (rule or "").strip().lower()
+    if name not in RULES:
+        raise ValueError(f"--cross-vocab must be one of {', '.join(RULES)}, got {rule!r}")
+    return name
+
+
+# -- the vocabulary map ----------------------------------------------------------------------------------
+
+
+@dataclass
+class VocabMap:
+    """draft id -> target id whose text is identical (-1: the target has no such token). Special tokens
+    (no text of their own) match by name. `target_special` maps target special ids to draft ones."""
+
+    to_target: np.ndarray  # int64, one entry per draft token
+    target_special: dict[int, int]
+    n_target: int
+
+    @property
+    def shared_fraction(self) -> float:
+        return float(np.count_nonzero(self.to_target >= 0)) / max(1, len(self.to_target))
+
+
+def _pieces_and_names(model) -> tuple[list[bytes], dict[int, bytes]]:
+    """Every token's text contribution, and the names of the special ones (empty text)."""
+    pieces = [model.token_bytes(t) for t in range(model.n_vocab)]
+    text = model.vocab.token_text
+    names = {t: bytes(text(t)) for t, piece in enumerate(pieces) if not piece}
+    return pieces, {t: n for t, n in names.items() if n}
+
+
+def build_vocab_map(target, draft) -> VocabMap:
+    """From two objects with n_vocab, token_bytes(t) and vocab.token_text (backends, or vocab-only files)."""
+    t_pieces, t_names = _pieces_and_names(target)
+    d_pieces, d_names = _pieces_and_names(draft)
+    by_piece: dict[bytes, int] = {}
+    for t, piece in enumerate(t_pieces):
+        if piece:
+            by_piece.setdefault(piece, t)  # the first of duplicate pieces, as a tokenizer would
+    t_by_name = {name: t for t, name in sorted(t_names.items(), reverse=True)}
+    d_by_name = {name: t for t, name in sorted(d_names.items(), reverse=True)}
+    to_target = np.full(draft.n_vocab, -1, dtype=np.int64)
+    for d, piece in enumerate(d_pieces):
+        if piece:
+            to_target[d] = by_piece.get(piece, -1)
+        elif d in d_names:
+            to_target[d] = t_by_name.get(d_names[d], -1)
+    target_special = {t: d_by_name[name] for t, name in t_names.items() if name in d_by_name}
+    return VocabMap(to_target, target_special, target.n_vocab)
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+
+
+def map_cache_path(target_path, draft_path) -> Path:
+    from .paths import cache_dir
+
+    ident = f"v{MAP_VERSION}|{_file_key(Path(target_path))}|{_file_key(Path(draft_path))}"
+    return cache_dir() / "vocab-maps" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.npz"
+
+
+def _load_map(path: Path) -> VocabMap | None:
+    try:
+        with np.load(path) as z:
+            special = dict(zip(z["special_t"].tolist(), z["special_d"].tolist()))
+            return VocabMap(z["to_target"].astype(np.int64), special, int(z["n_target"]))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _save_map(path: Path, vmap: VocabMap) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.npz")
+        np.savez(tmp, to_target=vmap.to_target.astype(np.int32), n_target=vmap.n_target,
+                 special_t=np.array(list(vmap.target_special), dtype=np.int64),
+                 special_d=np.array(list(vmap.target_special.values()), dtype=np.int64))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a rebuild (under a second) next time
+
+
+def cached_vocab_map(target, draft) -> VocabMap:
+    """The map for two loaded backends (or vocab-only files): from the cache when both have a file."""
+    paths = [getattr(m, "path", None) for m in (target, draft)]
+    cache = None
+    if all(p is not None and Path(p).is_file() for p in paths):
+        cache = map_cache_path(*paths)
+        if cache.exists():
+            vmap = _load_map(cache)
+            if vmap is not None and len(vmap.to_target) == draft.n_vocab and vmap.n_target == target.n_vocab:
+                return vmap
+    vmap = build_vocab_map(target, draft)
+    if cache is not None:
+        _save_map(cache, vmap)
+    return vmap
+
+
+class VocabFile:
+    """A GGUF file's vocabulary without its weights: what build_vocab_map needs (for `specchat models`)."""
+
+    def __init__(self, path) -> None:
+        import llama_cpp
+
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        try:
+            self._llm = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
+        except (ValueError, RuntimeError, OSError):
+            raise BackendError(f"llama.cpp could not read the vocabulary of {self.path}") from None
+        self._lib = llama_cpp
+        self._v = llama_cpp.llama_model_get_vocab(self._llm.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._v)
+        self._buf = ctypes.create_string_buffer(256)
+
+    def token_bytes(self, token: int) -> bytes:
+        n = self._lib.llama_token_to_piece(self._v, token, self._buf, len(self._buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._v, token, buf, -n, 0, False)
+            return buf.raw[:n]
+        return self._buf.raw[:n]
+
+    @property
+    def vocab(self) -> VocabInfo:
+        lib, v = self._lib, self._v
+        return VocabInfo(lib.llama_vocab_type(v), self.n_vocab, lib.llama_vocab_bos(v), lib.llama_vocab_eos(v),
+                         bool(lib.llama_vocab_get_add_bos(v)), bool(lib.llama_vocab_get_add_eos(v)),
+                         lambda t: lib.llama_vocab_get_text(v, t) or b"")
+
+    def close(self) -> None:
+        self._llm.close()
+
+
+def file_vocab_map(target_path, draft_path) -> VocabMap:
+    """The map for two files (cached; reads vocabularies only on a miss)."""
+    cache = map_cache_path(target_path, draft_path)
+    if cache.exists():
+        vmap = _load_map(cache)
+        if vmap is not None:
+            return vmap
+    target, draft = VocabFile(target_path), VocabFile(draft_path)
+    try:
+        return cached_vocab_map(target, draft)
+    finally:
+        target.close()
+        draft.close()
+
+
+def vocabulary_note(vmap: VocabMap | None) -> str:
+    """The `specchat models` wording."""
+    if vmap is None:
+        return "same vocabulary"
+    return f"different tokenizers: {vmap.shared_fraction:.0%} of the draft's tokens are in the target's vocabulary"
+
+
+# -- the rule's pure parts ----------------------------------------------------------------------------
+
+
+def restrict_to_shared(q: Dist, to_target: np.ndarray, n_target: int) -> Dist | None:
+    """TLI's proposal distribution: the draft's q on the tokens the target also has, renormalised, as a
+    distribution over target ids (draft tokens with the same text add up). None if q has no mass there."""
+    ids = np.arange(q.n_vocab) if q.ids is None else q.ids
+    mapped = to_target[ids]
+    keep = mapped >= 0
+    mass = q.probs[keep]
+    total = float(mass.sum())
+    if total <= 0.0:
+        return None
+    targets, inverse = np.unique(mapped[keep], return_inverse=True)
+    probs = np.zeros(len(targets))
+    np.add.at(probs, inverse, mass)
+    return Dist(targets, probs / total, n_target)
+
+
+def valid_utf8_prefix(data: bytes) -> int:
+    """Length of the longest prefix of `data` that does not end inside a UTF-8 character."""
+    try:
+        data.decode("utf-8")
+        return len(data)
+    except UnicodeDecodeError as e:
+        if e.reason == "unexpected end of data":
+            return e.start
+        return len(data)  # invalid bytes in the middle: decoded with replacement, see _text
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+# -- the drafter ------------------------------------------------------------------------------------
+
+
+class CrossVocabDrafter:
+    """A draft model whose vocabulary differs from the target's (see the module doc)."""
+
+    kind = "draft-model"  # the adaptive policy measures its cost like any draft model's
+
+    def __init__(self, backend: Backend, target: Backend, vmap: VocabMap | None = None, *, rule: str = "auto",
+                 p_min: float = 0.0, draft_min: int = 0):
+        self.backend = backend
+        self.target = target
+        self.rule = check_rule(rule)
+        self.p_min = p_min
+        self.draft_min = draft_min
+        self.map = vmap if vmap is not None else cached_vocab_map(target, backend)
+        self.rules_run: Counter = Counter()  # steps that drafted, by rule
+        d_vocab = backend.vocab
+        self._draft_bos = d_vocab.bos if d_vocab.add_bos and d_vocab.bos >= 0 else None
+        self._target_bos = target.vocab.bos
+        self._target_names: dict[int, bytes] = {}
+        self._params: tuple[SamplingParams, SamplingParams] | None = None
+        shared = np.flatnonzero(self.map.to_target >= 0)
+        self._has_dups = len(np.unique(self.map.to_target[shared])) < len(shared)
+        self._inverse = np.full(self.map.n_target, -1, dtype=np.int64)  # target id -> a draft id with its text
+        self._inverse[self.map.to_target[shared][::-1]] = shared[::-1]
+        self._reset()
+
+    # -- which rule ----------------------------------------------------------------------------------
+
+    def rule_for(self, params: SamplingParams) -> str:
+        if self.rule != "auto":
+            return self.rule
+        return "tli" if not params.greedy and self.map.shared_fraction >= TLI_MIN_SHARED else "slem"
+
+    def describe(self, params: SamplingParams) -> str:
+        return f"cross-vocab {self.rule_for(params).upper()}"
+
+    # -- the committed text in draft tokens ------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._committed: list[int] = []  # target ids folded into the draft's tokens
+        self._ids: list[int] = []  # draft ids spelling exactly their text (when _pending is empty)
+        self._pending = b""  # committed text not yet in _ids (an unfinished UTF-8 character)
+        self._marks: list[tuple[int, int]] = [(0, 0)]  # (target ids, draft ids) covering the same text
+        self._proposal: tuple[int, list[int]] | None = None  # (len(_ids) then, draft ids proposed)
+        self._clean = True  # False once the draft's tokenizer failed to spell the text back
+
+    def _rewind(self, n_target: int) -> None:
+        while self._marks[-1][0] > n_target:
+            self._marks.pop()
+        t, d = self._marks[-1]
+        del self._committed[t:]
+        del self._ids[d:]
+        self._pending = b""
+        self._proposal = None
+        self._clean = True
+
+    def _target_name(self, token: int) -> bytes:
+        name = self._target_names.get(token)
+        if name is None:
+            name = self._target_names[token] = bytes(self.target.vocab.token_text(token))
+        return name
+
+    def _fold(self, context: Sequence[int]) -> bool:
+        """Bring the draft's tokens up to `context` (target ids). True when they spell it exactly."""
+        n = len(self._committed)
+        if len(context) < n or list(context[:n]) != self._committed:
+            common = 0
+            limit = min(n, len(context))
+            while common < limit and self._committed[common] == context[common]:
+                common += 1
+            self._rewind(common)
+        new = list(context[len(self._committed):])
+        if not new:
+            return self._clean and not self._pending
+        for t in new:
+            piece = self.target.token_bytes(t)
+            self._committed.append(t)
+            if piece:
+                self._pending += piece
+                continue
+            special = self.map.target_special.get(t)
+            if special is None and t == self._target_bos:
+                special = self._draft_bos if self._draft_bos is not None else -1
+            if special is None:  # no counterpart: the draft reads its name as text
+                self._pending += self._target_name(t)
+                continue
+            self._flush()
+            if self._pending:  # an unfinished character before a special token: the text is broken there
+                self._pending = b""
+                self._clean = False
+            if special >= 0:
+                self._ids.append(special)
+            self._proposal = None
+            self._mark()
+        self._flush()
+        return self._clean and not self._pending
+
+    def _mark(self) -> None:
+        if not self._pending and self._clean:
+            self._marks.append((len(self._committed), len(self._ids)))
+
+    def _flush(self) -> None:
+        """Turn the pending text into draft tokens: first the draft's own proposal where the text is
+        what it proposed (those tokens are in its cache already), then the draft's tokenizer."""
+        data = self._pending
+        if not data:
+            return
+        ready = valid_utf8_prefix(data)
+        if ready == 0:
+            return
+        data, rest = data[:ready], data[ready:]
+        if self._proposal is not None and self._proposal[0] == len(self._ids):
+            used = 0
+            for d in self._proposal[1]:
+                piece = self.backend.token_bytes(d)
+                if not piece or not data.startswith(piece, used):
+                    break
+                self._ids.append(d)
+                used += len(piece)
+            data = data[used:]
+        self._proposal = None
+        if data:
+            # re-tokenise the last draft token with the new text: "wor" + "ld" reads better as "world"
+            last = self._ids[-1] if self._ids else None
+            if last is not None and self.backend.token_bytes(last):
+                self._ids.pop()
+                data = self.backend.token_bytes(last) + data
+                while self._marks[-1][1] > len(self._ids):
+                    self._marks.pop()
+            ids = self.backend.tokenize(_text(data), add_special=False, parse_special=False)
+            if b"".join(self.backend.token_bytes(d) for d in ids) != data:
+                self._clean = False  # this tokenizer does not spell the text back (e.g. a space prefix)
+            self._ids.extend(ids)
+        self._pending = rest
+        self._mark()
+
+    # -- Drafter -----------------------------------------------------------------------------------------
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        self._fold(prompt_ids)
+        if 0 < len(self._ids) < self.backend.n_ctx:
+            sync(self.backend, self._ids[:-1], logits_last=False)
+
+    def room(self) -> int:
+        return self.backend.n_ctx
+
+    def _draft_params(self, params: SamplingParams) -> SamplingParams:
+        # banned ids are the target's (--ignore-eos): they mean nothing in the draft's vocabulary
+        if self._params is None or self._params[0] is not params:
+            self._params = (params, dataclasses.replace(params, banned=()))
+        return self._params[1]
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        if k <= 0 or not self._fold(context) or not self._ids:
+            return Draft()
+        room = self.backend.n_ctx - len(self._ids)
+        if room <= 1:
+            return Draft()
+        row = sync(self.backend, self._ids, logits_last=True)
+        rule = self.rule_for(params)
+        dparams = self._draft_params(params)
+        banned = params.banned_set
+        if rule == "tli":
+            draft, drafted = self._propose_tli(row, k, room, params, dparams, banned, rng)
+        else:
+            draft, drafted = self._propose_slem(row, k, room, params, dparams, banned, rng)
+        self._proposal = (len(self._ids), drafted)
+        if len(draft.tokens) < max(1, self.draft_min):
+            return Draft()
+        self.rules_run[rule] += 1
+        return draft
+
+    def _retokenise(self, data: bytes) -> list[int] | None:
+        """The target's tokens for new text (never touching committed ones); None if they do not spell
+        it exactly."""
+        data = data[: valid_utf8_prefix(data)]
+        if not data:
+            return []
+        ids = self.target.tokenize(_text(data), add_special=False, parse_special=False)
+        if b"".join(self.target.token_bytes(t) for t in ids) != data:
+            return None
+        return ids
+
+    def _propose_slem(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
+        penalised = dparams.has_penalty
+        history = list(self._ids) if penalised else ()
+        drafted: list[int] = []
+        text = b""
+        confidence = 1.0
+        ids: list[int] = []
+        end: int | None = None  # a target special token that ends the draft
+        complete = False  # the last re-tokenised token is known to be whole
+        max_draft = min(2 * k + 4, room - 1)
+        while len(drafted) < max_draft:
+            top = draft_confidence(row) if self.p_min > 0 else 1.0
+            if params.greedy:
+                token = int(np.argmax(apply_penalties(row, dparams, history) if penalised else row))
+            else:
+                token = sample(process(row, dparams, history), rng)
+            if top < self.p_min:
+                # the draft is unsure what follows; its best guess still says whether a word ends here
+                complete = not self.backend.token_bytes(token)[:1].isalnum()
+                break
+            piece = self.backend.token_bytes(token)
+            if not piece:
+                mapped = int(self.map.to_target[token])
+                if mapped >= 0 and mapped not in banned:
+                    end = mapped
+                    drafted.append(token)
+                complete = True
+                break
+            confidence = min(confidence, top)
+            drafted.append(token)
+            text += piece
+            if penalised:
+                history.append(token)
+            retok = self._retokenise(text)
+            if retok is None:
+                break
+            ids = retok
+            if len(ids) > k:
+                break
+            if len(drafted) < max_draft:
+                row = self.backend.eval([token], [0], in_place=True)[0]
+        if end is not None:
+            retok = self._retokenise(text)
+            ids = (retok or []) + [end] if retok is not None else []
+        elif len(ids) > k:
+            ids = ids[:k]
+        elif not complete:
+            ids = ids[:-1]  # the draft stopped mid-text: its last token may be the start of a longer one
+        return Draft(tokens=ids[:k], q=[None] * len(ids[:k]), confidence=confidence), drafted
+
+    def _propose_tli(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
+        to_target = self.map.to_target
+        penalised = dparams.has_penalty
+        history = list(self._ids) if penalised else ()
+        draft = Draft()
+        drafted: list[int] = []
+        confidence = 1.0
+        for i in range(min(k, room - 1)):
+            top = draft_confidence(row) if self.p_min > 0 else 1.0
+            if top < self.p_min:
+                break
+            if params.greedy:
+                z = apply_penalties(row, dparams, history) if penalised else row
+                candidates = top_k_ids(z, min(64, len(z)))
+                candidates = candidates[np.argsort(-z[candidates], kind="stable")]
+                shared = candidates[to_target[candidates] >= 0]
+                if not len(shared):
+                    break
+                token = int(shared[0])
+                target_token, q = int(to_target[token]), None
+            else:
+                q = restrict_to_shared(process(row, dparams, history), to_target, self.map.n_target)
+                if q is None:
+                    break  # nothing the draft would say can be said in the target's tokens
+                target_token = sample(q, rng)
+                token = self._draft_token_for(target_token, row)
+            if target_token in banned:
+                break
+            confidence = min(confidence, top)
+            drafted.append(token)
+            draft.tokens.append(target_token)
+            draft.q.append(q)
+            if not self.backend.token_bytes(token):
+                break  # a special token (end of turn) ends the draft
+            if penalised:
+                history.append(token)
+            if i < k - 1:
+                row = self.backend.eval([token], [0], in_place=True)[0]
+        draft.confidence = confidence
+        return draft, drafted
+
+    def _draft_token_for(self, target_token: int, row: np.ndarray) -> int:
+        """The draft token that continues the draft's text for a sampled target token (the likeliest
+        of those with its text, when the draft has several)."""
+        if not self._has_dups:
+            return int(self._inverse[target_token])
+        ids = np.flatnonzero(self.map.to_target == target_token)
+        return int(ids[np.argmax(row[ids])])
+
+
+def rule_label(drafter, params: SamplingParams) -> str:
+    """'cross-vocab SLEM' / 'cross-vocab TLI' for a cross-vocabulary drafter, '' for any other."""
+    return drafter.describe(params) if isinstance(drafter, CrossVocabDrafter) else ""
+
+
+def rule_info(drafter, params: SamplingParams) -> dict | None:
+    """What --json reports about the cross-vocabulary rule (None for same-vocabulary drafters)."""
+    if not isinstance(drafter, CrossVocabDrafter):
+        return None
+    return {"rule": drafter.rule_for(params), "requested": drafter.rule,
+            "shared_fraction": drafter.map.shared_fraction, "steps_by_rule": dict(drafter.rules_run)}
