@@ -224,10 +224,13 @@ def restrict_to_shared(q: Dist, to_target: np.ndarray, n_target: int) -> Dist | 
     total = float(mass.sum())
     if total <= 0.0:
         return None
-    targets, inverse = np.unique(mapped[keep], return_inverse=True)
-    probs = np.zeros(len(targets))
-    np.add.at(probs, inverse, mass)
-    return Dist(targets, probs / total, n_target)
+    mapped = mapped[keep]
+    order = np.argsort(mapped, kind="stable")
+    targets, mass = mapped[order], mass[order]
+    starts = np.flatnonzero(np.concatenate([[True], targets[1:] != targets[:-1]]))
+    if len(starts) < len(targets):  # several draft tokens spell the same target token: add them up
+        targets, mass = targets[starts], np.add.reduceat(mass, starts)
+    return Dist(targets, mass / total, n_target)
 
 
 def valid_utf8_prefix(data: bytes) -> int:
