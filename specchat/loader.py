@@ -119,7 +119,7 @@ def load(
                 status(f"mapping {draft_spec.name}'s vocabulary to {target_spec.name}'s")
                 drafter = CrossVocabDrafter(draft_backend, target, rule=opts.cross_vocab, p_min=opts.draft_p_min,
                                             draft_min=opts.draft_min)
-        except BaseException:
+        except BackendError:
             draft_backend.close()
             raise
         return Loaded(target, drafter, target_spec, draft_spec, draft_spec.name)

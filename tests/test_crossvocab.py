@@ -17,7 +17,7 @@ import pytest
 
 from fakes import ALPHA, FakeBackend, chi2_pvalue, detection_power, draws_for
 from specchat import crossvocab
-from specchat.crossvocab import CrossVocabDrafter, build_vocab_map, restrict_to_shared
+from specchat.crossvocab import CrossVocabDrafter, restrict_to_shared
 from specchat.engine import Finished, TokenEvent, generate
 from specchat.policy import FixedPolicy
 from specchat.sampling import Dist, SamplingParams, process
