@@ -614,6 +614,7 @@ def chat_command(
     ngl: opt.Ngl = None,
     ngld: opt.Ngld = None,
     threads: opt.Threads = None,
+    rpc: opt.Rpc = None,
     show_stats: Annotated[bool, typer.Option("--stats", help="After each reply, print the speculation breakdown (per-position acceptance, accepted lengths).", rich_help_panel=opt.OUTPUT)] = False,
     no_color: opt.NoColor = False,
 ) -> None:
@@ -633,7 +634,7 @@ def chat_command(
         top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
         draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
-        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads,
+        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads, rpc=rpc,
     )
     resumed = load_transcript(resume) if resume is not None else None
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
