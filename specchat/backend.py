@@ -368,6 +368,12 @@ class LlamaCppBackend:
         return v.token_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else ""
 
     def close(self) -> None:
+        if self.rpc:
+            from .rpc import abandon, unreachable
+
+            if unreachable(self.rpc):  # freeing buffers on a dead worker would abort the process
+                abandon(self)
+                return
         if self._batch is not None:
             self._lib.llama_batch_free(self._batch)
             self._batch = None

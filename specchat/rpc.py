@@ -144,9 +144,9 @@ class _Libs:
             raise RpcError(f"this llama-cpp-python was built without RPC; reinstall it: {REINSTALL}")
         folder = lib_dir()
         try:
-            self.ggml = ctypes.CDLL(os.path.join(folder, "libggml.so"))
-            self.base = ctypes.CDLL(os.path.join(folder, "libggml-base.so"))
-            self.rpc = ctypes.CDLL(os.path.join(folder, "libggml-rpc.so"))
+            self.ggml = ctypes.CDLL(_loaded_copy(folder, "libggml"))
+            self.base = ctypes.CDLL(_loaded_copy(folder, "libggml-base"))
+            self.rpc = ctypes.CDLL(_loaded_copy(folder, "libggml-rpc"))
         except OSError as e:
             raise RpcError(f"cannot load ggml's RPC library from {folder} ({e}); reinstall: {REINSTALL}") from None
         vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
@@ -168,6 +168,25 @@ class _Libs:
         ):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
+
+
+def _loaded_copy(folder: str, stem: str) -> str:
+    """The file of `stem` that libllama already loaded. The wheel holds `libggml-base.so` and
+    `libggml-base.so.0` as separate copies: opening the other one would give a second ggml, with its
+    own backend registry and abort callback."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.count("/") else ""
+                name = os.path.basename(path)
+                if path.startswith(folder) and (name == f"{stem}.so" or name.startswith(f"{stem}.so.")):
+                    return path
+    except OSError:
+        pass
+    for name in (f"{stem}.so.0", f"{stem}.so", f"{stem}.dylib", f"{stem}.0.dylib"):
+        if os.path.exists(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return os.path.join(folder, f"{stem}.so")
 
 
 _libs: _Libs | None = None
@@ -390,3 +409,34 @@ def load_failure(path, size: int, devices: Sequence[RpcDevice], reason: str) -> 
         f"could not allocate its share (too little memory?) or the file is bad ({'; '.join(parts)}); "
         f"lower -ngl to keep more layers here, or add workers ({reason.splitlines()[0] if reason else 'no detail'})"
     )
+
+
+def unreachable(endpoints: Sequence[str], timeout: float = 1.0) -> list[str]:
+    """The endpoints where nothing listens any more. A TCP connect only: a worker serves one client at
+    a time, so while it serves us a HELLO would wait; its listening socket still takes the connection."""
+    gone = []
+    for endpoint in endpoints:
+        try:
+            socket.create_connection(split_endpoint(endpoint), timeout=timeout).close()
+        except OSError:
+            gone.append(endpoint)
+    return gone
+
+
+_abandoned: list = []
+
+
+def abandon(backend) -> None:
+    """Keep a backend whose worker is gone referenced and never freed: freeing its buffers would send
+    RPC commands to the dead worker, and ggml aborts on that."""
+    from contextlib import ExitStack
+
+    _abandoned.append(backend)
+    llm = getattr(backend, "llm", None)
+    # llama-cpp-python frees model and context through these stacks (also from __del__ at exit)
+    for owner in (llm, getattr(llm, "_model", None), getattr(llm, "_ctx", None)):
+        if owner is not None:
+            for attr in ("_stack", "_exit_stack"):
+                if hasattr(owner, attr):
+                    setattr(owner, attr, ExitStack())
+    backend.close = lambda: None
