@@ -32,8 +32,8 @@ from .backend import BackendError
 DEFAULT_PORT = 50052
 PROBE_TIMEOUT = 3.0
 REINSTALL = (
-    'CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python '
-    "llama-cpp-python  (add -DGGML_CUDA=on to CMAKE_ARGS for CUDA)"
+    'CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall --no-cache-dir --no-deps --no-binary llama-cpp-python '
+    '"llama-cpp-python>=0.3.36,<0.4" (add -DGGML_CUDA=on to CMAKE_ARGS for CUDA; ~8 min to compile)'
 )
 # the HELLO request of the installed protocol (v7): cmd byte 14, u64 size, 24 capability bytes
 _HELLO_CMD = 14

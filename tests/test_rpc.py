@@ -31,6 +31,21 @@ TOLERANCE = 0.3  # batch vs single-token logit noise is <= ~0.12 here (see test_
 MODEL = "smollm2-135m"
 
 
+def _rpc_build() -> bool:
+    try:
+        import llama_cpp
+    except ImportError:
+        return False
+    return bool(llama_cpp.llama_supports_rpc())
+
+
+# CI (.ci/run) installs an RPC build and sets SPECCHAT_REQUIRE_RPC: there a missing RPC backend fails
+needs_rpc = pytest.mark.skipif(
+    not _rpc_build() and not os.environ.get("SPECCHAT_REQUIRE_RPC"),
+    reason=f"llama-cpp-python without RPC: {rpc.REINSTALL}",
+)
+
+
 def env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
 
@@ -140,6 +155,16 @@ def test_models_toml_rpc_key(tmp_path, monkeypatch):
         load_config()
 
 
+def test_a_build_without_rpc_gets_one_line_with_the_reinstall_command(monkeypatch):
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_supports_rpc", lambda: False)
+    monkeypatch.setattr(rpc, "_libs", None)
+    with pytest.raises(RpcError, match="built without RPC; reinstall it: CMAKE_ARGS=.*-DGGML_RPC=on.*--no-cache-dir") as e:
+        rpc.register(["127.0.0.1:1"])
+    assert "\n" not in str(e.value)
+
+
 def test_rpc_option_off_means_local():
     from specchat.runner import rpc_endpoints
 
@@ -156,6 +181,7 @@ def test_placement_counts_layers_like_llamacpp():
     assert rpc.placement(30, 0, dev) == "all 30 layers on this CPU (-ngl 0)"
 
 
+@needs_rpc
 def test_unreachable_worker_is_one_line_within_seconds():
     started = time.monotonic()
     line = error_line(specchat("prompt", "hi", "-m", MODEL, "--rpc", f"127.0.0.1:{free_port()}", timeout=60))
@@ -163,6 +189,7 @@ def test_unreachable_worker_is_one_line_within_seconds():
     assert time.monotonic() - started < 30  # mostly Python start-up on a loaded machine
 
 
+@needs_rpc
 def test_silent_listener_is_one_line_after_the_probe_timeout():
     """Something listens but never answers (or a worker busy with another client): no hang."""
     with socket.socket() as listener:
@@ -177,6 +204,7 @@ def test_silent_listener_is_one_line_after_the_probe_timeout():
         assert time.monotonic() - started < 30
 
 
+@needs_rpc
 def test_busy_port_and_non_loopback_warning():
     with socket.socket() as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -191,6 +219,7 @@ def test_busy_port_and_non_loopback_warning():
         assert result.stderr.strip().splitlines()[-1].startswith("specchat: error: cannot listen")
 
 
+@needs_rpc
 def test_worker_stops_cleanly_on_sigint_and_sigterm():
     for sig in (signal.SIGINT, signal.SIGTERM):
         w = Worker(threads=1)
@@ -201,6 +230,7 @@ def test_worker_stops_cleanly_on_sigint_and_sigterm():
 # -- a live worker -----------------------------------------------------------------------------------
 
 
+@needs_rpc
 def test_greedy_reply_over_rpc_is_the_targets_and_the_worker_did_the_work(worker):
     from specchat.backend import LlamaCppBackend
     from specchat.drafters import PromptLookup
@@ -252,6 +282,7 @@ def test_cost_model_is_keyed_per_endpoint_set():
     assert cost_cache_key(SimpleNamespace(**base)) == local  # keys of local models did not change
 
 
+@needs_rpc
 def test_ngl_counts_the_layers_placed_on_the_worker(worker):
     from specchat.backend import LlamaCppBackend
 
@@ -266,6 +297,7 @@ def test_ngl_counts_the_layers_placed_on_the_worker(worker):
         remote.close()
 
 
+@needs_rpc
 def test_worker_with_too_little_memory_is_one_line(worker):
     # cap the worker's address space a little above what it uses now: the model's buffers cannot fit
     size_kb = int(next(l for l in Path(f"/proc/{worker.proc.pid}/status").read_text().splitlines()
@@ -279,6 +311,7 @@ def test_worker_with_too_little_memory_is_one_line(worker):
     assert worker.proc.poll() is None  # the worker survives a client it could not serve
 
 
+@needs_rpc
 def test_worker_killed_mid_reply_is_one_line_exit_2(worker):
     client = subprocess.Popen(
         [sys.executable, "-m", "specchat.cli", "prompt", "Count from one to one thousand in words.", "-m", MODEL,
@@ -305,6 +338,7 @@ def test_worker_killed_mid_reply_is_one_line_exit_2(worker):
     assert worker.endpoint in lines[0]
 
 
+@needs_rpc
 def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
     from specchat import chat, ui
     from specchat.loader import LoadOptions, Selection, load
