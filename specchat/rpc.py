@@ -383,15 +383,17 @@ class model_devices:
 
 
 def placement(n_layer: int, n_gpu_layers: int, devices: Sequence[RpcDevice], n_gpus: int = 0) -> str:
-    """Where the layers went, as llama.cpp counts them: -ngl offloads the last N repeating layers to
-    the devices named (RPC workers first, then local GPUs); the rest stay on this machine's CPU."""
-    remote = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
+    """Where the layers went, counted as llama.cpp counts them: n_layer repeating layers + the output
+    layer; -ngl N offloads the last N of those (the output layer first) to the devices named (RPC
+    workers first, then local GPUs); the rest stay on this machine's CPU."""
+    total = n_layer + 1
+    remote = total if n_gpu_layers < 0 else min(n_gpu_layers, total)
     where = ", ".join(f"{d.name} {d.endpoint}" for d in devices)
     gpus = f" + {n_gpus} local GPU(s)" if n_gpus else ""
     if remote == 0:
-        return f"all {n_layer} layers on this CPU (-ngl 0)"
-    local = f", {n_layer - remote} on this CPU" if remote < n_layer else ""
-    return f"{remote}/{n_layer} layers on RPC ({where}){gpus}{local}"
+        return f"all {total} layers on this CPU (-ngl 0)"
+    local = f", {total - remote} on this CPU" if remote < total else ""
+    return f"{remote}/{total} layers on RPC ({where}){gpus}{local}"
 
 
 def load_failure(path, size: int, devices: Sequence[RpcDevice], reason: str) -> RpcError:

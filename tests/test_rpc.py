@@ -175,10 +175,11 @@ def test_rpc_option_off_means_local():
 
 def test_placement_counts_layers_like_llamacpp():
     dev = [rpc.RpcDevice("RPC0", "127.0.0.1:50052", 0)]
-    assert rpc.placement(30, -1, dev) == "30/30 layers on RPC (RPC0 127.0.0.1:50052)"
-    assert rpc.placement(30, 99, dev) == "30/30 layers on RPC (RPC0 127.0.0.1:50052)"
-    assert rpc.placement(30, 15, dev) == "15/30 layers on RPC (RPC0 127.0.0.1:50052), 15 on this CPU"
-    assert rpc.placement(30, 0, dev) == "all 30 layers on this CPU (-ngl 0)"
+    # 30 repeating layers + the output layer; -ngl takes the output layer first, then from the top
+    assert rpc.placement(30, -1, dev) == "31/31 layers on RPC (RPC0 127.0.0.1:50052)"
+    assert rpc.placement(30, 99, dev) == "31/31 layers on RPC (RPC0 127.0.0.1:50052)"
+    assert rpc.placement(30, 15, dev) == "15/31 layers on RPC (RPC0 127.0.0.1:50052), 16 on this CPU"
+    assert rpc.placement(30, 0, dev) == "all 31 layers on this CPU (-ngl 0)"
 
 
 @needs_rpc
@@ -242,7 +243,8 @@ def test_greedy_reply_over_rpc_is_the_targets_and_the_worker_did_the_work(worker
     path = model_path()
     remote = LlamaCppBackend(path, n_ctx=1024, n_threads=2, rpc=[worker.endpoint], name=MODEL)
     try:
-        assert remote.placement == f"{remote.n_layer}/{remote.n_layer} layers on RPC ({remote.rpc_devices[0].name} {worker.endpoint})"
+        n = remote.n_layer + 1
+        assert remote.placement == f"{n}/{n} layers on RPC ({remote.rpc_devices[0].name} {worker.endpoint})"
         text = "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape."
         prompt_ids = render(remote, [{"role": "user", "content": text}]).token_ids
         cpu_before = worker.cpu()
@@ -288,8 +290,8 @@ def test_ngl_counts_the_layers_placed_on_the_worker(worker):
 
     remote = LlamaCppBackend(model_path(), n_ctx=256, n_threads=2, rpc=[worker.endpoint], n_gpu_layers=15, name=MODEL)
     try:
-        half = remote.n_layer - 15
-        assert remote.placement == f"15/{remote.n_layer} layers on RPC ({remote.rpc_devices[0].name} {worker.endpoint}), {half} on this CPU"
+        n = remote.n_layer + 1
+        assert remote.placement == f"15/{n} layers on RPC ({remote.rpc_devices[0].name} {worker.endpoint}), {n - 15} on this CPU"
         before = worker.cpu()
         remote.eval(remote.tokenize("The capital of France is") * 8, [0])
         assert worker.cpu() > before  # the worker's layers ran there
