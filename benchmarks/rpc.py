@@ -144,7 +144,7 @@ def main() -> None:
                 ngl = rows[-1]["n_layer"] // 2
             target = LlamaCppBackend(path, n_ctx=2048, n_threads=a.threads, n_gpu_layers=ngl, name=a.model,
                                      rpc=endpoints)
-            where = target.placement or f"all {target.n_layer} layers on this CPU"
+            where = target.placement or f"all {target.n_layer + 1} layers on this CPU"
             ids_of = {i.id: render(target, [{"role": "user", "content": i.turns[0]}]).token_ids for i in chosen}
             costs = eval_costs(target, next(iter(ids_of.values())), a.cost_reps)
             fixed, per_token = fit(costs)

@@ -377,3 +377,10 @@ def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
         assert records == ["user", "assistant", "user", "assistant"]
     finally:
         w.stop(signal.SIGKILL)
+
+
+def test_rpc_flag_on_prompt_chat_and_report():
+    for command in ("prompt", "chat", "report"):
+        result = specchat(command, "--help", timeout=60)
+        assert result.returncode == 0 and "--rpc" in result.stdout, command
+    assert "rpc-server" in specchat("--help", timeout=60).stdout
