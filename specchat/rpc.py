@@ -210,7 +210,6 @@ class RpcDevice:
 
 
 _registered: dict[str, list[RpcDevice]] = {}
-_in_use: set[str] = set()  # endpoints whose devices hold a loaded model's layers (for the abort message)
 abort_hint = ""  # appended to the one line printed when a worker is lost (chat sets the transcript path)
 
 
@@ -265,10 +264,6 @@ def device_memory(device: RpcDevice) -> tuple[int, int]:
     return free.value, total.value
 
 
-def mark_in_use(endpoints: Sequence[str], in_use: bool) -> None:
-    (_in_use.update if in_use else _in_use.difference_update)(endpoints)
-
-
 _ABORT_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _abort_cb = None
 
@@ -284,7 +279,7 @@ def _install_abort_handler() -> None:
         text = (message or b"").decode("utf-8", "replace").strip()
         text = text.split(": ", 1)[-1] if ".cpp:" in text.split(": ", 1)[0] else text
         if "RPC" in text or "rpc" in text:
-            where = ", ".join(sorted(_in_use or _registered)) or "?"
+            where = ", ".join(sorted(_registered)) or "?"
             line = f"specchat: error: lost the RPC worker ({where}): {text}"
         else:
             line = f"specchat: error: llama.cpp aborted: {text}"

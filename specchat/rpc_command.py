@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
-import time
 from typing import Annotated
 
 import typer
@@ -67,6 +67,4 @@ def rpc_server_command(
     print("specchat rpc-server: stopped", file=sys.stderr, flush=True)
     sys.stdout.flush()
     # the server thread sits in accept()/recv() inside C and cannot be unwound: end the process here
-    import os
-
     os._exit(0)
