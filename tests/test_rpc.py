@@ -363,6 +363,8 @@ def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
             assert "layers: " in info.getvalue() and w.endpoint in info.getvalue()
             session.handle("What is the capital of France?")
             assert len(session.turn_log) == 1
+            # what a worker lost mid-reply prints, after the one line: how to go on from the transcript
+            assert f"--resume {tmp_path / 't.jsonl'} --rpc off" in rpc.abort_hint
             w.stop(signal.SIGKILL)
             session.handle("And of Italy?")  # refused before anything touches the dead worker
             assert len(session.turn_log) == 1
