@@ -137,32 +137,42 @@ class LlamaCppBackend:
         n_batch: int = 512,
         swa_full: bool = False,
         name: str | None = None,
+        rpc: Sequence[str] = (),
     ):
         import llama_cpp
 
         self._lib = llama_cpp
         path = Path(path)
         check_gguf_file(path)
+        self.rpc = tuple(rpc)
+        self.rpc_devices, devices = _rpc_devices(self.rpc)
         if n_gpu_layers is None:
-            n_gpu_layers = default_gpu_layers()
+            n_gpu_layers = -1 if self.rpc else default_gpu_layers()
         self.path = path
         self.name = name or path.name
         started = time.perf_counter()
+        from .rpc import model_devices
+
         try:
-            self.llm = llama_cpp.Llama(
-                str(path),
-                n_ctx=n_ctx,
-                n_batch=n_batch,
-                n_ubatch=n_batch,
-                n_gpu_layers=n_gpu_layers,
-                n_threads=n_threads,
-                n_threads_batch=n_threads,
-                swa_full=swa_full,
-                logits_all=False,
-                verbose=False,
-            )
+            with model_devices(devices):
+                self.llm = llama_cpp.Llama(
+                    str(path),
+                    n_ctx=n_ctx,
+                    n_batch=n_batch,
+                    n_ubatch=n_batch,
+                    n_gpu_layers=n_gpu_layers,
+                    n_threads=n_threads,
+                    n_threads_batch=n_threads,
+                    swa_full=swa_full,
+                    logits_all=False,
+                    verbose=False,
+                )
         except (ValueError, RuntimeError, OSError) as e:
             size = path.stat().st_size
+            if self.rpc:
+                from .rpc import load_failure
+
+                raise load_failure(path, size, self.rpc_devices, str(e)) from None
             raise BackendError(
                 f"llama.cpp could not load {path} ({size / 2**20:.1f} MiB): the file is truncated, corrupt, "
                 f"or of an architecture this llama.cpp does not know ({str(e).splitlines()[0]})"
@@ -173,6 +183,7 @@ class LlamaCppBackend:
         self.n_threads = self.llm.n_threads
         self.n_gpu_layers = n_gpu_layers
         self._model = self.llm.model
+        self.n_layer = llama_cpp.llama_model_n_layer(self._model)
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.n_swa = 0 if swa_full else llama_cpp.llama_model_n_swa(self._model)
@@ -330,6 +341,15 @@ class LlamaCppBackend:
         return _vocab_info(lib, v, self.n_vocab, lambda t: lib.llama_vocab_get_text(v, t) or b"")
 
     @property
+    def placement(self) -> str | None:
+        """Where the layers are, when some are on RPC workers (None for an ordinary local load)."""
+        if not self.rpc:
+            return None
+        from .rpc import placement
+
+        return placement(self.n_layer, self.n_gpu_layers, self.rpc_devices)
+
+    @property
     def metadata(self) -> dict[str, str]:
         return dict(self.llm.metadata)
 
@@ -348,10 +368,30 @@ class LlamaCppBackend:
         return v.token_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else ""
 
     def close(self) -> None:
+        if self.rpc:
+            from .rpc import abandon, unreachable
+
+            if unreachable(self.rpc):  # freeing buffers on a dead worker would abort the process
+                abandon(self)
+                return
         if self._batch is not None:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
         self.llm.close()
+
+
+def _rpc_devices(endpoints: Sequence[str]):
+    """(the RPC devices of `endpoints`, the device list for llama_model_params or None for the default).
+    Once any worker is registered in this process, every load names its devices: the default list would
+    now include the workers."""
+    from . import rpc
+
+    if endpoints:
+        devices = rpc.register(endpoints)
+        return devices, [d.handle for d in devices] + rpc.local_gpu_devices()
+    if rpc.any_registered():
+        return [], rpc.local_gpu_devices()
+    return [], None
 
 
 def check_compatible(target: VocabInfo, draft: VocabInfo) -> str | None:

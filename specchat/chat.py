@@ -228,6 +228,7 @@ COMMANDS = {  # name: (argument, what it does)
     "/draft": ("N", "most tokens drafted per step (0 = no drafting)"),
     "/temp": ("X", "sampling temperature (0 = greedy)"),
     "/spec": ("on|off", "speculation on, or off (target only)"),
+    "/rpc": ("off", "where the target's layers are; off: reload it on this machine (a worker is gone)"),
     "/system": ("TEXT", "set the system message (without TEXT: show it)"),
     "/save": ("FILE", "write the transcript to FILE (continue it later with --resume FILE)"),
     "/exit": ("", "leave (also Ctrl-D, or Ctrl-C at an empty prompt)"),
@@ -302,6 +303,9 @@ class ChatSession:
         text = Text(f"specchat chat · {target} + {self.loaded.drafter_label} · -c {self.loaded.target.n_ctx} · "
                     f"temp {self.params.temperature:g} · -n {self.max_tokens}", style="bold")
         self.info.print(text)
+        placement = getattr(self.loaded.target, "placement", None)
+        if placement:
+            self.notice(f"layers: {placement}")
         if not self.conversation.templated:
             self.notice(f"{target} has no chat template: using the plain 'User: … / Assistant: …' format, "
                         "stopped at the next 'User:'")
@@ -375,6 +379,8 @@ class ChatSession:
                 return
             self.spec_on = arg == "on"
             self.notice(f"speculation {arg}" + ("" if self.spec_on else " (target only)"))
+        elif name == "/rpc":
+            self.rpc_command(arg)
         elif name == "/system":
             if not arg:
                 self.notice(f"system message: {self.conversation.system!r}" if self.conversation.system else "no system message")
@@ -395,10 +401,59 @@ class ChatSession:
         else:
             self.notice(f"unknown command {name}; /help lists them", "spec.error")
 
+    def rpc_command(self, arg: str) -> None:
+        target = self.loaded.target
+        endpoints = tuple(getattr(target, "rpc", ()))
+        if arg != "off":
+            if arg:
+                self.notice("/rpc takes off (or nothing, to show where the layers are)", "spec.error")
+            else:
+                self.notice(f"layers: {target.placement}" if endpoints else "the target runs on this machine (no --rpc)")
+            return
+        if not endpoints:
+            self.notice("the target already runs on this machine")
+            return
+        from . import rpc
+        from .backend import BackendError, LlamaCppBackend
+
+        gone = rpc.unreachable(endpoints)
+        self.notice(f"loading {target.name} on this machine…")
+        try:
+            local = LlamaCppBackend(target.path, n_ctx=target.n_ctx, n_threads=target.n_threads, name=target.name)
+        except BackendError as e:
+            self.notice(str(e), "spec.error")
+            return
+        if gone:
+            rpc.abandon(target)  # its buffers live on a dead worker: freeing them would abort
+        else:
+            target.close()
+        self.loaded.target = self.conversation.target = local
+        self._rebuild_policy()
+        self.notice(f"the target runs on this machine now ({local.n_layer} layers); the conversation is kept "
+                    "and is evaluated again at the next turn")
+
+    def _rpc_ready(self) -> bool:
+        """Before a turn on RPC workers: are they still there? (ggml would abort on a dead one.)"""
+        endpoints = tuple(getattr(self.loaded.target, "rpc", ()))
+        if not endpoints:
+            return True
+        from . import rpc
+
+        gone = rpc.unreachable(endpoints)
+        if gone:
+            self.notice(f"RPC worker {', '.join(gone)} is unreachable: /rpc off continues on this machine "
+                        "(the conversation is kept), /exit ends", "spec.error")
+            return False
+        rpc.abort_hint = (f"the transcript is saved: `specchat chat --resume {self.transcript.path} --rpc off` "
+                          "continues on this machine")
+        return True
+
     # -- one turn ----------------------------------------------------------------------------------
 
     def turn(self, user: str) -> None:
         conv, target = self.conversation, self.loaded.target
+        if not self._rpc_ready():
+            return
         prepared, dropped = conv.fit(user, min(self.max_tokens, max(1, target.n_ctx // 2)))
         if dropped:
             self.notice(f"context full (-c {target.n_ctx}): dropped the {dropped} oldest exchange"
@@ -520,9 +575,9 @@ def prompt_reader(no_color: bool) -> Callable[[], str]:
                 for name, (arg_help, what) in COMMANDS.items():
                     if name.startswith(text.lower()):
                         yield Completion(name, start_position=-len(text), display_meta=f"{arg_help} {what}".strip())
-            elif text.startswith("/spec "):
-                word = text[len("/spec "):]
-                for value in ("on", "off"):
+            elif text.startswith("/spec ") or text.startswith("/rpc "):
+                word = text.split(" ", 1)[1]
+                for value in ("on", "off") if text.startswith("/spec ") else ("off",):
                     if value.startswith(word):
                         yield Completion(value, start_position=-len(word))
 
@@ -617,6 +672,7 @@ def chat_command(
     ngl: opt.Ngl = None,
     ngld: opt.Ngld = None,
     threads: opt.Threads = None,
+    rpc: opt.Rpc = None,
     show_stats: Annotated[bool, typer.Option("--stats", help="After each reply, print the speculation breakdown (per-position acceptance, accepted lengths).", rich_help_panel=opt.OUTPUT)] = False,
     no_color: opt.NoColor = False,
 ) -> None:
@@ -624,7 +680,7 @@ def chat_command(
 
     Replies stream coloured by where each token came from (legend at the start), above a live footer: tokens/s, acceptance, tokens per step, current draft length. Both KV caches are kept between turns, so a turn evaluates only its new tokens; when the context fills, the oldest exchanges are dropped, with a notice.
 
-    Keys: Enter sends; Alt+Enter (or Esc then Enter) starts a new line; Tab completes /commands; Ctrl-C stops a reply, and at an empty prompt exits, as Ctrl-D does. Commands: /help /reset /stats /draft N /temp X /spec on|off /system TEXT /save FILE /exit.
+    Keys: Enter sends; Alt+Enter (or Esc then Enter) starts a new line; Tab completes /commands; Ctrl-C stops a reply, and at an empty prompt exits, as Ctrl-D does. Commands: /help /reset /stats /draft N /temp X /spec on|off /rpc off /system TEXT /save FILE /exit.
 
     The chat template comes from the target's GGUF metadata; a model without one (a base model such as gemma-3-270m) gets a plain "User: / Assistant:" transcript. Each message is appended to a JSONL transcript in $XDG_DATA_HOME/specchat/transcripts as soon as it is final; --resume FILE continues one.
     """
@@ -637,6 +693,7 @@ def chat_command(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
         draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
         lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab,
+        rpc=rpc,
     )
     resumed = load_transcript(resume) if resume is not None else None
     interactive = sys.stdin.isatty() and sys.stdout.isatty()

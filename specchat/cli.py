@@ -62,6 +62,7 @@ def prompt(
     ngl: opt.Ngl = None,
     ngld: opt.Ngld = None,
     threads: opt.Threads = None,
+    rpc: opt.Rpc = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, prompt_token_ids, stats.", rich_help_panel=opt.OUTPUT)] = False,
     show_stats: Annotated[bool, typer.Option("--stats", help="Print a speculation summary to stderr at the end.", rich_help_panel=opt.OUTPUT)] = False,
     no_color: opt.NoColor = False,
@@ -78,6 +79,7 @@ def prompt(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
         draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
         lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab,
+        rpc=rpc,
     )
     text = read_prompt(text)
     err = ui.make_console(stderr=True, no_color=no_color)  # no_color=False still honours NO_COLOR
@@ -166,6 +168,10 @@ app.command("report")(report_command)
 from .chat import chat_command  # noqa: E402
 
 app.command("chat")(chat_command)
+
+from .rpc_command import rpc_server_command  # noqa: E402
+
+app.command("rpc-server")(rpc_server_command)
 
 
 def report(message: str) -> None:

@@ -26,8 +26,8 @@ PROMPT_LOOKUP = "prompt-lookup"
 """The draft name that means "no draft model: n-gram lookup over the prompt and history"."""
 
 SOURCE_KEYS = ("path", "hub", "package", "parts")
-_MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description"}
-_PAIR_KEYS = {"target", "draft", "description"}
+_MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description", "rpc"}
+_PAIR_KEYS = {"target", "draft", "description", "rpc"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # owner/repo:selector, selector being a file name (may sit in a folder) or a quant name like Q4_K_M.
@@ -73,6 +73,7 @@ class ModelSpec:
     sha256: str | None = None  # parts kind: checksum of the joined file
     description: str = ""
     origin: str = ""  # the toml file that defined it; "" for a model named on the command line
+    rpc: tuple[str, ...] = ()  # RPC workers (HOST:PORT) that hold this model's offloaded layers
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class PairSpec:
     draft: str
     description: str = ""
     origin: str = ""
+    rpc: tuple[str, ...] = ()  # RPC workers for the pair's target
 
 
 @dataclass
@@ -324,7 +326,22 @@ class _File:
             assemble=assemble,
             description=values.get("description", ""),
             origin=self.label,
+            rpc=self.rpc(body, keys),
         )
+
+    def rpc(self, body: dict, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """`rpc = "host:port,host:port"` or a list of "host:port" strings."""
+        if "rpc" not in body:
+            return ()
+        from .rpc import RpcError, parse_endpoints
+
+        value = body["rpc"]
+        if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value))):
+            raise self.error(keys + ("rpc",), f'must be "HOST:PORT[,HOST:PORT...]" or a list of them, not {_toml_type(value)}')
+        try:
+            return parse_endpoints(value)
+        except RpcError as e:
+            raise self.error(keys + ("rpc",), str(e)) from None
 
     def parts_spec(self, name: str, body: dict, values: dict[str, str]) -> ModelSpec:
         """A GGUF file split over data packages: `parts` (a list of module names, or one "name{1..N}"
@@ -365,6 +382,7 @@ class _File:
             sha256=sha.strip().lower(),
             description=values.get("description", ""),
             origin=self.label,
+            rpc=self.rpc(body, keys),
         )
 
     def pair_spec(self, name: str, body: Any) -> PairSpec:
@@ -388,6 +406,7 @@ class _File:
             draft=refs["draft"],
             description=self.get(body, keys, "description", str, ""),
             origin=self.label,
+            rpc=self.rpc(body, keys),
         )
 
     def _relative(self, ref: str) -> str:

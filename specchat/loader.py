@@ -30,6 +30,7 @@ class LoadOptions:
     lookup_min: int = 1
     lookup_max: int = 4
     cross_vocab: str = "auto"  # rule for a draft with another tokenizer: auto | slem | tli
+    rpc: tuple[str, ...] | None = None  # --rpc: workers for the target's layers (None = models.toml's)
 
 
 @dataclass
@@ -63,17 +64,20 @@ class Loaded:
 class Selection:
     target: str
     draft: str | None  # model ref, PROMPT_LOOKUP, or None (no speculation)
+    rpc: tuple[str, ...] = ()  # the pair's `rpc` workers, when the pair picked the target
 
 
 def select(config: Config, *, pair: str | None, target: str | None, draft: str | None, no_spec: bool) -> Selection:
     """--pair picks both; -m / -md override either part. -m alone drafts with prompt lookup, which needs
     no second model; --no-spec drops the drafter."""
+    rpc: tuple[str, ...] = ()
     if pair is not None or target is None:
         chosen = config.pair(pair or "default")
+        rpc = chosen.rpc if target is None else ()
         target = target or chosen.target
         draft = draft or chosen.draft
     draft = draft or PROMPT_LOOKUP
-    return Selection(target=target, draft=None if no_spec else draft)
+    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc)
 
 
 def load(
@@ -88,9 +92,12 @@ def load(
     target_spec = config.model(selection.target)
     status(f"locating {target_spec.name}")
     target_path = resolve(target_spec)
-    status(f"loading target {target_spec.name}")
+    # --rpc wins over the pair's `rpc`, which wins over the model's
+    rpc = opts.rpc if opts.rpc is not None else (selection.rpc or target_spec.rpc)
+    status(f"loading target {target_spec.name}" + (f" onto RPC {','.join(rpc)}" if rpc else ""))
     target = LlamaCppBackend(
-        target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name
+        target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name,
+        rpc=rpc,
     )
     try:
         if selection.draft is None:

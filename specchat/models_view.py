@@ -12,21 +12,27 @@ from .sources import SourceError, describe, is_present, resolve
 
 def models_tables(config: Config) -> list[Table]:
     models = Table(title="Models", title_justify="left")
-    for column in ("name", "source", "file", "description"):
+    for column in ("name", "source", "file", "layers", "description"):
         models.add_column(column, overflow="fold")
     present: dict[str, bool] = {}
     for name, spec in config.models.items():
         present[name] = is_present(spec)
         models.add_row(name, describe(spec), "[green]present[/]" if present[name] else "[dim]not downloaded[/]",
-                       spec.description)
+                       _layers(spec.rpc), spec.description)
 
     pairs = Table(title="Pairs", title_justify="left")
-    for column in ("name", "target", "drafter", "vocabulary", "description"):
+    for column in ("name", "target", "drafter", "vocabulary", "target layers", "description"):
         pairs.add_column(column, overflow="fold")
     vocabs: dict[str, object] = {}
     for name, pair in config.pairs.items():
-        pairs.add_row(name, pair.target, pair.draft, _compatibility(config, pair, vocabs), pair.description)
+        rpc = pair.rpc or (config.models[pair.target].rpc if pair.target in config.models else ())
+        pairs.add_row(name, pair.target, pair.draft, _compatibility(config, pair, vocabs), _layers(rpc), pair.description)
     return [models, pairs]
+
+
+def _layers(rpc: tuple[str, ...]) -> str:
+    """Where a model's offloaded layers go (-ngl counts them): this machine, or its RPC workers."""
+    return f"RPC {', '.join(rpc)}" if rpc else "this machine"
 
 
 def _compatibility(config: Config, pair, vocabs: dict) -> str:

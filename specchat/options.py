@@ -91,6 +91,10 @@ Ngld = Annotated[
     int | None,
     typer.Option("-ngld", "--gpu-layers-draft", min=-1, help="Draft model layers on the GPU (same default).", rich_help_panel=HARDWARE),
 ]
+Rpc = Annotated[
+    str | None,
+    typer.Option("--rpc", help="RPC workers for the target's layers: HOST:PORT[,HOST:PORT...] (`specchat rpc-server` there); -ngl counts the layers placed on them (default all). `off` = local.", rich_help_panel=HARDWARE),
+]
 Threads = Annotated[
     int | None, typer.Option("-t", "--threads", min=1, help="CPU threads (default: all cores up to 4, else half).", rich_help_panel=HARDWARE)
 ]

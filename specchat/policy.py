@@ -139,6 +139,9 @@ def cost_cache_key(backend) -> str:
     except OSError:
         ident = str(path)
     ident += f"|threads={getattr(backend, 'n_threads', 0)}|ngl={getattr(backend, 'n_gpu_layers', 0)}"
+    if getattr(backend, "rpc", ()):
+        # layers on RPC workers cost round trips: calibrated per endpoint set
+        ident += "|rpc=" + ",".join(sorted(backend.rpc))
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 

@@ -838,6 +838,7 @@ def report_command(
     ngl: opt.Ngl = None,
     ngld: opt.Ngld = None,
     threads: opt.Threads = None,
+    rpc: opt.Rpc = None,
     no_color: opt.NoColor = False,
 ) -> None:
     """Measure whether speculation pays for this target and drafter here, and at what setting.
@@ -867,7 +868,7 @@ def report_command(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed,
         draft_max=max(longest, POLICY_DRAFT_MAX if any(s.k is None for s in settings) else 0), draft_min=draft_min,
         draft_p_min=draft_p_min, draft_fixed=None, lookup_min=lookup_min, lookup_max=lookup_max, ctx_size=ctx_size,
-        ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab,
+        ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab, rpc=rpc,
     )
     err = Console(stderr=True, no_color=no_color)
     console = Console(no_color=no_color)

@@ -50,7 +50,7 @@ def run_options(
     *,
     target, draft, pair, no_spec, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
     frequency_penalty, presence_penalty, seed, draft_max, draft_min, draft_p_min, draft_fixed, lookup_min,
-    lookup_max, ctx_size, ngl, ngld, threads, cross_vocab="auto",
+    lookup_max, ctx_size, ngl, ngld, threads, cross_vocab="auto", rpc=None,
 ) -> RunOptions:
     if lookup_min > lookup_max:
         raise UserError(f"--lookup-min ({lookup_min}) must not exceed --lookup-max ({lookup_max})")
@@ -72,8 +72,20 @@ def run_options(
         n_ctx=ctx_size, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, n_threads=threads,
         draft_p_min=draft_p_min, draft_min=draft_min, lookup_min=lookup_min, lookup_max=lookup_max,
         cross_vocab=cross_vocab,
+        rpc=rpc_endpoints(rpc),
     )
     return RunOptions(selection, load_opts, params, draft_max, draft_fixed, max_tokens)
+
+
+def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:
+    """--rpc as given: None (not given: models.toml decides), () for `off`, else checked endpoints."""
+    if text is None:
+        return None
+    if text.strip().lower() in ("off", "none", "local", ""):
+        return ()
+    from .rpc import parse_endpoints
+
+    return parse_endpoints(text)
 
 
 @contextmanager
