@@ -27,7 +27,7 @@ PROMPT_LOOKUP = "prompt-lookup"
 
 SOURCE_KEYS = ("path", "hub", "package", "parts")
 _MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description"}
-_PAIR_KEYS = {"target", "draft", "description"}
+_PAIR_KEYS = {"target", "draft", "description", "lookup"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # owner/repo:selector, selector being a file name (may sit in a folder) or a quant name like Q4_K_M.
@@ -84,6 +84,7 @@ class PairSpec:
     draft: str
     description: str = ""
     origin: str = ""
+    lookup: bool = False  # hybrid: prompt lookup where it matches, `draft` otherwise
 
 
 @dataclass
@@ -382,12 +383,16 @@ class _File:
             if _looks_like_path(ref) and (parse_hub_ref(ref) is None or (self.base / ref).exists()):
                 ref = self._relative(ref)
             refs[k] = ref
+        lookup = self.get(body, keys, "lookup", bool, False)
+        if lookup and refs["draft"] == PROMPT_LOOKUP:
+            raise self.error(keys + ("lookup",), "needs a draft model to fall back on; this pair's draft is prompt-lookup")
         return PairSpec(
             name=name,
             target=refs["target"],
             draft=refs["draft"],
             description=self.get(body, keys, "description", str, ""),
             origin=self.label,
+            lookup=lookup,
         )
 
     def _relative(self, ref: str) -> str:

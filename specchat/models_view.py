@@ -24,7 +24,8 @@ def models_tables(config: Config) -> list[Table]:
         pairs.add_column(column, overflow="fold")
     vocabs: dict[str, object] = {}
     for name, pair in config.pairs.items():
-        pairs.add_row(name, pair.target, pair.draft, _compatibility(config, pair, vocabs), pair.description)
+        drafter = f"{PROMPT_LOOKUP} + {pair.draft}" if pair.lookup else pair.draft
+        pairs.add_row(name, pair.target, drafter, _compatibility(config, pair, vocabs), pair.description)
     return [models, pairs]
 
 

@@ -143,7 +143,7 @@ def test_shadow_does_not_count_a_repeated_span_twice():
         proposal = text[i : i + 8]
         policy.trim(proposal, confidence=2)
         policy.observe(step(0, 0), proposal, [text[i]])
-    key = (2, 2)
+    key = (2, 2, 0)
     stats = policy.lookup[key]
     # one span followed for 5 tokens: one check at each of positions 0..4, not five at position 0
     assert list(stats.tries[:5]) == [1, 1, 1, 1, 1]
