@@ -9,9 +9,9 @@ drafter that doubles speed there loses here. `AdaptivePolicy` decides from measu
 
 and picks the n with the best rate, n = 0 included. verify_cost comes from timing the target on batches
 of each size (cached per model file and thread count), rescaled online by what steps really take;
-a_i are running estimates per draft position, per kind of proposal (for prompt lookup: the length of
-the matched n-gram, in buckets up to 32+, whether the previous lookup was accepted and whether the match
-came from earlier replies). They are saved per (target file, drafter) in the cache dir when a run ends
+a_i are running estimates: for a draft model, one per draft position; for prompt lookup, one per
+length of the match the token continues (a_i = A(m + i) for an m-token match: see LookupAcceptance),
+so a 24-token match predicts a long accepted run and a 1-token match almost none. They are saved per (target file, drafter) in the cache dir when a run ends
 and read back, discounted, by the next process (`AcceptanceStore`). The hybrid drafter asks `choose`
 each step whether lookup's match, the draft model or neither has the best expected rate.
 """
@@ -251,13 +251,69 @@ def best_length(
     return best, float(rates[best])
 
 
-LOOKUP_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # matched n-gram lengths that share an estimate: 4-7, 8-15, ...
-LOOKUP_PRIOR = {1: 0.3, 2: 0.45, 3: 0.55, 4: 0.65, 8: 0.75, 16: 0.85, 32: 0.9}
+# matched n-gram lengths that share an estimate: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+
+LOOKUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+LOOKUP_PRIOR = np.array([0.3, 0.45, 0.55, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93])
 
 
 def match_bucket(length: int) -> int:
-    """The bucket of a matched n-gram length: 1, 2, 3, 4 (4-7), 8 (8-15), 16 (16-31), 32 (32+)."""
-    return max(b for b in LOOKUP_BUCKETS if b <= max(1, length))
+    """The bucket of a matched n-gram length (its smallest member): 1, 2, 3, 4, 6, 8, 12, 16, 24 or 32."""
+    return LOOKUP_BUCKETS[_bucket_index(np.asarray([length]))[0]]
+
+
+def _bucket_index(lengths: np.ndarray) -> np.ndarray:
+    return np.clip(np.searchsorted(LOOKUP_BUCKETS, lengths, side="right") - 1, 0, len(LOOKUP_BUCKETS) - 1)
+
+
+class LookupAcceptance:
+    """P(the next copied token is right | the match so far is m tokens long), per bucket of m, kept apart
+    for matches in the context and in earlier replies (row 0 / 1), as decayed counts.
+
+    Draft position i of an m-token match, reached with every draft before it accepted, continues an
+    (m + i)-token match, so a_i = A(m + i): every verified or shadow-checked token teaches one bucket,
+    and a long match predicts a long accepted run by itself, with no estimate per draft position."""
+
+    DECAY = 0.99  # per observation of a bucket: about the last hundred count
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self) -> None:
+        self.hits = np.zeros((2, len(LOOKUP_BUCKETS)))
+        self.tries = np.zeros((2, len(LOOKUP_BUCKETS)))
+
+    def rates(self, match: int, n: int, history: bool = False) -> np.ndarray:
+        idx = _bucket_index(match + np.arange(n))
+        row = int(history)
+        prior = LOOKUP_PRIOR[idx] * (0.8 if history else 1.0)  # an earlier reply is weaker evidence
+        return (self.hits[row, idx] + self.PRIOR_WEIGHT * prior) / (self.tries[row, idx] + self.PRIOR_WEIGHT)
+
+    def add(self, match: int, hit: bool, history: bool = False) -> None:
+        row, b = int(history), int(_bucket_index(np.asarray([match]))[0])
+        self.hits[row, b] = self.hits[row, b] * self.DECAY + hit
+        self.tries[row, b] = self.tries[row, b] * self.DECAY + 1.0
+
+    def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
+        """A verified step: drafts 0..accepted-1 were right; draft `accepted` (if tried) was wrong; the
+        ones after it were never reached, so they say nothing."""
+        for i in range(min(tried, accepted + 1)):
+            self.add(match + i, i < accepted, history)
+
+    def as_dict(self) -> dict:
+        return {"hits": np.round(self.hits, 4).tolist(), "tries": np.round(self.tries, 4).tolist()}
+
+    def absorb(self, saved: dict, trust: float) -> bool:
+        """Counts an earlier process saved, each bucket discounted to at most `trust` observations."""
+        try:
+            hits = np.asarray(saved["hits"], dtype=np.float64)
+            tries = np.asarray(saved["tries"], dtype=np.float64)
+        except (KeyError, TypeError, ValueError):
+            return False
+        if hits.shape != self.hits.shape or tries.shape != self.tries.shape:
+            return False
+        if not (np.isfinite(hits).all() and np.isfinite(tries).all()) or (hits < 0).any() or (hits > tries + 1e-6).any():
+            return False
+        scale = np.where(tries > trust, trust / np.maximum(tries, 1e-12), 1.0)
+        self.hits, self.tries = hits * scale, tries * scale
+        return True
 
 
 class AcceptanceStore:
@@ -265,8 +321,8 @@ class AcceptanceStore:
     (target file, drafter). Written atomically at the end of each generation; a missing, corrupt or
     foreign file (or entry) is ignored and overwritten, never an error."""
 
-    VERSION = 1
-    TRUST = 8.0  # observations per position a saved estimate counts as, however many it was built on
+    VERSION = 2
+    TRUST = 8.0  # observations a saved estimate counts as (per position or bucket), however many it had
 
     def __init__(self, path: Path, key: str, label: str = ""):
         self.path = path
@@ -319,16 +375,15 @@ class AdaptivePolicy:
         self.kind = kind
         self.draft_max = draft_max
         self.uses_lookup = kind in ("prompt-lookup", "hybrid")
-        self.lookup: dict[tuple[int, int, int], Acceptance] = {}
+        self.lookup = LookupAcceptance()
         # a draft model gets an optimistic prior so it is tried; its misses then teach the policy
         self.model_acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
-        self.last_lookup_ok = 2  # 0 rejected, 1 accepted, 2 no lookup yet
-        self._features: tuple[int, int, int] | None = None
+        self._match: tuple[int, bool] | None = None  # this step's lookup match: (length, from history)
         self._source = "draft-model" if kind == "draft-model" else "prompt-lookup"  # this step's
         self._lookup_n = 0  # hybrid: how many of lookup's tokens `choose` decided to send
-        self._shadow: list[int] = []  # proposed tokens not sent to the target, checked against what comes
-        self._shadow_key: tuple[int, int, int] | None = None
-        self._shadow_offset = 0
+        # proposed tokens not sent to the target, checked against what it emits: free evidence
+        self._shadow: list[int] = []
+        self._shadow_match: tuple[int, bool] = (0, False)  # match length the shadow's first token continues
         # A draft model whose every token costs about as much as a target token cannot pay even if it
         # were always right (a self-pair on a CPU): then it is not even given the prompt.
         self.model_possible = kind != "prompt-lookup" and best_length(
@@ -341,29 +396,18 @@ class AdaptivePolicy:
         self._last_observed: float | None = None
         self.store = store
         if store is not None:
-            self._restore(store.load())
+            tables = store.load()
+            if self.uses_lookup and "lookup" in tables:
+                self.lookup.absorb(tables["lookup"], AcceptanceStore.TRUST)
+            if self.kind != "prompt-lookup" and "model" in tables:
+                self.model_acceptance.absorb(tables["model"], AcceptanceStore.TRUST)
 
     # --- memory across runs
 
-    def _restore(self, tables: dict) -> None:
-        for name, saved in tables.items():
-            if name == "model":
-                self.model_acceptance.absorb(saved, AcceptanceStore.TRUST)
-                continue
-            try:
-                key = tuple(int(x) for x in name.split(","))
-            except ValueError:
-                continue
-            if len(key) == 3 and key[0] in LOOKUP_BUCKETS and key[1] in (0, 1) and key[2] in (0, 1):
-                stats = self._lookup_stats(key)
-                if not stats.absorb(saved, AcceptanceStore.TRUST):
-                    del self.lookup[key]
-
     def tables(self) -> dict[str, dict]:
-        # a run's first lookup (key[1] == 2) is seen once per run: too little to keep; the next run's
-        # first lookup borrows the after-an-accepted-lookup estimate instead (_lookup_key)
-        out = {",".join(map(str, key)): stats.as_dict() for key, stats in self.lookup.items()
-               if stats.tries.sum() > 0 and key[1] != 2}
+        out = {}
+        if self.uses_lookup and self.lookup.tries.sum() > 0:
+            out["lookup"] = self.lookup.as_dict()
         if self.kind != "prompt-lookup" and self.model_acceptance.tries.sum() > 0:
             out["model"] = self.model_acceptance.as_dict()
         return out
@@ -372,27 +416,10 @@ class AdaptivePolicy:
         if self.store is not None:
             self.store.save(self.tables())
 
-    # --- prompt lookup
+    # --- choosing k
 
-    def _lookup_stats(self, key: tuple[int, int, int]) -> Acceptance:
-        stats = self.lookup.get(key)
-        if stats is None:
-            # longer matches start more trusted, history matches less; observations override the prior quickly
-            prior = LOOKUP_PRIOR[key[0]] * (0.8 if key[2] else 1.0)
-            stats = self.lookup[key] = Acceptance(prior_hits=2 * prior, prior_tries=2.0)
-        return stats
-
-    def _lookup_key(self, match: int, from_history: bool) -> tuple[int, int, int]:
-        key = (match_bucket(match), self.last_lookup_ok, int(from_history))
-        if key[1] == 2 and key not in self.lookup:
-            # a run's first lookup: what earlier runs learned after an accepted lookup fits best
-            after_ok = (key[0], 1, key[2])
-            if after_ok in self.lookup:
-                return after_ok
-        return key
-
-    def _lookup_best(self, key: tuple[int, int, int], n_tokens: int) -> tuple[int, float]:
-        return best_length(self._lookup_stats(key).rates(n_tokens), self.verify_cost, 0.0, self.overhead)
+    def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
+        return best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead)
 
     def _model_best(self, limit: int) -> tuple[int, float]:
         if not self.model_possible or limit <= 0:
@@ -413,15 +440,12 @@ class AdaptivePolicy:
         """Hybrid: ("prompt-lookup", n) to send n of lookup's tokens, ("draft-model", k) to have the model
         draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup wins ties:
         its drafts cost nothing, so a long match beats the model even where the model's tokens are cheap."""
-        lookup_n, lookup_rate = 0, 0.0
-        if n_tokens > 0:
-            key = self._lookup_key(match, from_history)
-            lookup_n, lookup_rate = self._lookup_best(key, n_tokens)
+        lookup_n, lookup_rate = (0, 0.0) if n_tokens <= 0 else self._lookup_best(match, n_tokens, from_history)
         model_n, model_rate = self._model_best(limit)
+        self._match = (match, from_history) if n_tokens > 0 else None
         if lookup_n > 0 and lookup_rate >= model_rate:
-            self._features, self._source, self._lookup_n = key, "prompt-lookup", lookup_n
+            self._source, self._lookup_n = "prompt-lookup", lookup_n
             return "prompt-lookup", lookup_n
-        self._features = None
         if model_n > 0:
             self._source = "draft-model"
             return "draft-model", model_n
@@ -433,10 +457,11 @@ class AdaptivePolicy:
             return len(tokens)
         if self.kind == "hybrid":
             return min(len(tokens), self._lookup_n)
-        key = self._lookup_key(int(confidence), source == "history")
-        self._features = key
-        n, _ = self._lookup_best(key, len(tokens))
+        self._match = (int(confidence), source == "history")
+        n, _ = self._lookup_best(int(confidence), len(tokens), source == "history")
         return n
+
+    # --- learning
 
     def _observe_overhead(self, step: StepStats) -> None:
         now = time.perf_counter()
@@ -453,52 +478,44 @@ class AdaptivePolicy:
         source = self._source
         if self.kind == "hybrid":
             self._source = "none"  # until the next choose()
+        match, self._match = self._match, None
         if source == "draft-model":
             if self.draft_cost is not None and step.drafted > 0:
                 self.draft_cost.update(1, step.draft_seconds / step.drafted)
             self.model_acceptance.record(step.accepted, step.drafted)
             self._check_shadow(emitted)
             return
-        features, self._features = self._features, None
-        if not proposed or features is None:
+        if not proposed or match is None:
             self._check_shadow(emitted)
             return
+        length, history = match
         if step.drafted:
             # a real verification supersedes any shadow over the same tokens
-            self._lookup_stats(features).record(step.accepted, step.drafted)
-            self.last_lookup_ok = int(step.accepted > 0)
+            self.lookup.record(length, step.accepted, step.drafted, history)
             self._shadow = []
         else:
             overlap = min(len(proposed), len(self._shadow))
             if self._shadow and list(proposed[:overlap]) == self._shadow[:overlap]:
-                # the span being followed, proposed again: keep following the older shadow, which is
-                # further along, rather than counting the same tokens twice
+                # the span being followed, proposed again: keep following the older shadow rather than
+                # counting the same tokens twice (its match length has grown with it)
                 self._check_shadow(emitted)
                 return
         # Tokens proposed but not verified teach the policy for free: compare them with what the target
         # emits next. For a one-hot proposal a match has exactly the acceptance probability.
         tail = list(proposed[step.drafted :])
         if step.accepted == step.drafted and tail:
-            self._shadow, self._shadow_key, self._shadow_offset = tail, features, step.drafted
+            self._shadow, self._shadow_match = tail, (length + step.drafted, history)
             self._check_shadow(emitted[step.accepted :])  # the step's own last token checks the tail's first
 
     def _check_shadow(self, emitted: Sequence[int]) -> None:
-        if not self._shadow or self._shadow_key is None:
-            return
-        stats = self._lookup_stats(self._shadow_key)
         for token in emitted:
             if not self._shadow:
                 break
             hit = token == self._shadow[0]
-            j = min(self._shadow_offset, MAX_POSITION - 1)
-            stats.tries[j] += 1
-            stats.hits[j] += hit
-            if self._shadow_offset == 0:
-                self.last_lookup_ok = int(hit)
-            self._shadow_offset += 1
+            length, history = self._shadow_match
+            self.lookup.add(length, hit, history)
+            self._shadow_match = (length + 1, history)
             self._shadow = self._shadow[1:] if hit else []
-        if not self._shadow:
-            self._shadow_key = None
 
 
 def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True) -> Policy:

@@ -13,11 +13,11 @@ from specchat.drafters import HybridDrafter, NgramHistory, PromptLookup, longest
 from specchat.engine import TokenEvent, generate
 from specchat.history import earlier_replies, reply_history, save_replies
 from specchat.policy import (
-    MAX_POSITION,
     AcceptanceStore,
     AdaptivePolicy,
     CostModel,
     FixedPolicy,
+    LookupAcceptance,
     match_bucket,
 )
 from specchat.sampling import SamplingParams
@@ -115,7 +115,22 @@ def test_no_history_files_means_no_history(tmp_path, monkeypatch):
 
 
 def test_match_buckets():
-    assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 90)] == [1, 1, 2, 3, 4, 4, 8, 8, 16, 16, 32, 32]
+    assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 23, 24, 31, 32, 90)] == \
+        [1, 1, 2, 3, 4, 4, 6, 6, 8, 8, 12, 12, 16, 16, 24, 24, 32, 32]
+
+
+def test_draft_position_i_of_an_m_token_match_continues_an_m_plus_i_match():
+    acc = LookupAcceptance()
+    for _ in range(50):
+        acc.add(2, False)  # 2-token matches: wrong
+        acc.add(30, True)  # 24-31: right
+    rates = acc.rates(2, 30)
+    assert rates[0] < 0.1  # position 0 continues the 2-token match
+    assert rates[28] > 0.9  # position 28 continues a 30-token one
+    # a verified step: drafts 0..2 accepted, draft 3 rejected, draft 4+ never reached
+    acc = LookupAcceptance()
+    acc.record(8, accepted=3, tried=6)
+    assert acc.tries[0].sum() == pytest.approx(4, rel=0.02) and acc.hits[0].sum() == pytest.approx(3, rel=0.02)
 
 
 def test_long_matches_learn_long_drafts_short_ones_do_not():
@@ -150,12 +165,11 @@ def test_a_fresh_process_starts_from_what_earlier_runs_learned(tmp_path):
     trained.finish()
     warm = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
     assert warm.trim(tokens, confidence=20) > cold
-    # discounted: at most TRUST observations per position carry over
-    restored = warm.lookup[(16, 1, 0)]
-    assert restored.tries.max() <= AcceptanceStore.TRUST + 1e-9
+    # discounted: at most TRUST observations per bucket carry over
+    assert 0 < warm.lookup.tries.max() <= AcceptanceStore.TRUST + 1e-9
     # another target or drafter does not see them
     other = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "other|prompt-lookup"))
-    assert other.lookup == {}
+    assert other.lookup.tries.sum() == 0
 
 
 def test_estimates_are_not_trusted_blindly(tmp_path):
@@ -173,7 +187,13 @@ def test_estimates_are_not_trusted_blindly(tmp_path):
     b"\x00\xff garbage",
     b"[1, 2, 3]",
     b'{"version": 99, "entries": {}}',
-    b'{"version": 1, "entries": []}',
+    b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 2, "entries": []}',
+    b'{"version": 2, "entries": {"k": {"tables": {"lookup": {"hits": [1, 2], "tries": [1, 2]}}}}}',
+    b'{"version": 2, "entries": {"k": {"tables": {"lookup": {"hits": [[5, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], "tries": [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}}}}}',
+    b'{"version": 2, "entries": {"k": {"tables": {"lookup": {"hits": [[-1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], "tries": [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}}}}}',
+    b'{"version": 2, "entries": {"k": {"tables": {"lookup": "x", "model": {"hits": "NaN"}}}}}',
+    b'{"version": 2, "entries": {"k": "not a table"}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [1, 2], "tries": [1, 2]}}}}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [5, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [-1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
@@ -184,7 +204,7 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, conte
     path = tmp_path / "acceptance.json"
     path.write_bytes(content)
     policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
-    assert all(s.tries.sum() == 0 for s in policy.lookup.values())  # nothing malformed was taken in
+    assert policy.lookup.tries.sum() == 0  # nothing malformed was taken in
     tokens = list(range(16))
     for _ in range(2):  # the second lookup is the first one kept (after an accepted one)
         n = policy.trim(tokens, confidence=20)
@@ -193,7 +213,7 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, conte
     doc = json.loads(path.read_text())
     assert doc["version"] == AcceptanceStore.VERSION and "k" in doc["entries"]
     again = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
-    assert sum(s.tries.sum() for s in again.lookup.values()) > 0
+    assert again.lookup.tries.sum() > 0
 
 
 def test_an_unwritable_cache_is_not_an_error(tmp_path):
@@ -229,8 +249,7 @@ def hybrid_policy(verify, draft_cost, model_hits=None):
 def test_hybrid_chooses_lookup_on_a_long_match_even_where_the_model_is_cheap():
     policy = hybrid_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.9)
     for _ in range(20):  # long matches have been accepted
-        policy._lookup_stats((16, 1, 0)).record(8, 8)
-    policy.last_lookup_ok = 1
+        policy.lookup.record(16, 8, 8)
     source, k = policy.choose(match=20, n_tokens=16, limit=16)
     assert source == "prompt-lookup" and k >= 8
 
@@ -241,8 +260,7 @@ def test_hybrid_chooses_the_model_without_a_match():
     assert source == "draft-model" and k > 0
     # a poor 1-token match loses to a good model too
     for _ in range(20):
-        policy._lookup_stats((1, 0, 0)).record(0, 4)
-    policy.last_lookup_ok = 0
+        policy.lookup.record(1, 0, 4)
     assert policy.choose(match=1, n_tokens=4, limit=16)[0] == "draft-model"
 
 
@@ -250,8 +268,7 @@ def test_hybrid_drafts_nothing_when_neither_pays():
     # a CPU: verifying costs grow fast; a model half as costly as the target; short matches rejected
     policy = hybrid_policy(CPU, CostModel([1, 2], [0.0075, 0.015]), model_hits=0.3)
     for _ in range(20):
-        policy._lookup_stats((1, 0, 0)).record(0, 4)
-    policy.last_lookup_ok = 0
+        policy.lookup.record(1, 0, 4)
     assert policy.choose(match=1, n_tokens=4, limit=16) == ("none", 0)
     assert policy.choose(match=0, n_tokens=0, limit=16) == ("none", 0)
 
