@@ -266,30 +266,42 @@ def _bucket_index(lengths: np.ndarray) -> np.ndarray:
 
 
 class LookupAcceptance:
-    """P(the next copied token is right | the match so far is m tokens long), per bucket of m, kept apart
-    for matches in the context and in earlier replies (row 0 / 1), as decayed counts.
+    """P(the next copied token is right | the match so far is m tokens long), per bucket of m, as
+    decayed counts, kept apart for matches in the context and in earlier replies, and for a token that
+    follows a correct lookup token (inside a span being copied) or not (a fresh match: after a miss, or
+    the first of a run).
 
     Draft position i of an m-token match, reached with every draft before it accepted, continues an
-    (m + i)-token match, so a_i = A(m + i): every verified or shadow-checked token teaches one bucket,
-    and a long match predicts a long accepted run by itself, with no estimate per draft position."""
+    (m + i)-token match inside a span, so a_0 = A(m | fresh or not), a_i = A(m + i | in span): every
+    verified or shadow-checked token teaches one bucket, and a long match predicts a long accepted run
+    by itself. The fresh/in-span split is what keeps a spurious short match (a common phrase, right
+    after the reply left the text it was copying) from borrowing the record of tokens inside copied spans."""
 
-    DECAY = 0.99  # per observation of a bucket: about the last hundred count
+    DECAY = 0.95  # per observation of a bucket: about the last twenty count, so it follows the reply
     PRIOR_WEIGHT = 2.0
 
     def __init__(self) -> None:
-        self.hits = np.zeros((2, len(LOOKUP_BUCKETS)))
-        self.tries = np.zeros((2, len(LOOKUP_BUCKETS)))
+        shape = (2, 2, len(LOOKUP_BUCKETS))  # [from history][after a miss][bucket]
+        self.hits = np.zeros(shape)
+        self.tries = np.zeros(shape)
+        self.after_miss = True  # the run's first lookup token is a fresh match
 
     def rates(self, match: int, n: int, history: bool = False) -> np.ndarray:
         idx = _bucket_index(match + np.arange(n))
-        row = int(history)
-        prior = LOOKUP_PRIOR[idx] * (0.8 if history else 1.0)  # an earlier reply is weaker evidence
-        return (self.hits[row, idx] + self.PRIOR_WEIGHT * prior) / (self.tries[row, idx] + self.PRIOR_WEIGHT)
+        h = int(history)
+        state = np.zeros(n, dtype=np.intp)
+        if n:
+            state[0] = int(self.after_miss)
+        # an earlier reply is weaker evidence, a fresh match weaker than a span being followed
+        prior = LOOKUP_PRIOR[idx] * (0.8 if history else 1.0) * np.where(state == 1, 0.7, 1.0)
+        return (self.hits[h, state, idx] + self.PRIOR_WEIGHT * prior) / (self.tries[h, state, idx] + self.PRIOR_WEIGHT)
 
     def add(self, match: int, hit: bool, history: bool = False) -> None:
-        row, b = int(history), int(_bucket_index(np.asarray([match]))[0])
-        self.hits[row, b] = self.hits[row, b] * self.DECAY + hit
-        self.tries[row, b] = self.tries[row, b] * self.DECAY + 1.0
+        """One checked token: the proposal continuing an m-token match was right or wrong."""
+        h, m, b = int(history), int(self.after_miss), int(_bucket_index(np.asarray([match]))[0])
+        self.hits[h, m, b] = self.hits[h, m, b] * self.DECAY + hit
+        self.tries[h, m, b] = self.tries[h, m, b] * self.DECAY + 1.0
+        self.after_miss = not hit
 
     def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
         """A verified step: drafts 0..accepted-1 were right; draft `accepted` (if tried) was wrong; the
@@ -321,7 +333,7 @@ class AcceptanceStore:
     (target file, drafter). Written atomically at the end of each generation; a missing, corrupt or
     foreign file (or entry) is ignored and overwritten, never an error."""
 
-    VERSION = 2
+    VERSION = 3
     TRUST = 8.0  # observations a saved estimate counts as (per position or bucket), however many it had
 
     def __init__(self, path: Path, key: str, label: str = ""):

@@ -122,8 +122,11 @@ def test_match_buckets():
 def test_draft_position_i_of_an_m_token_match_continues_an_m_plus_i_match():
     acc = LookupAcceptance()
     for _ in range(50):
-        acc.add(2, False)  # 2-token matches: wrong
+        acc.after_miss = False
+        acc.add(2, False)  # 2-token matches inside a span: wrong
+        acc.after_miss = False
         acc.add(30, True)  # 24-31: right
+    acc.after_miss = False
     rates = acc.rates(2, 30)
     assert rates[0] < 0.1  # position 0 continues the 2-token match
     assert rates[28] > 0.9  # position 28 continues a 30-token one
@@ -131,6 +134,23 @@ def test_draft_position_i_of_an_m_token_match_continues_an_m_plus_i_match():
     acc = LookupAcceptance()
     acc.record(8, accepted=3, tried=6)
     assert acc.tries[0].sum() == pytest.approx(4, rel=0.02) and acc.hits[0].sum() == pytest.approx(3, rel=0.02)
+    # the first was a fresh match (the run's first lookup); the next three followed a correct token
+    assert acc.tries[0, 1].sum() == pytest.approx(1) and acc.tries[0, 0].sum() == pytest.approx(3, rel=0.02)
+    assert acc.after_miss  # the last one checked was wrong
+
+
+def test_a_fresh_short_match_does_not_borrow_the_record_of_copied_spans():
+    acc = LookupAcceptance()
+    for _ in range(30):
+        acc.after_miss = False
+        for m in range(4, 12):
+            acc.add(m, True)  # inside spans: always right
+        acc.add(12, False)  # the span ends
+        acc.add(4, False)  # a fresh 4-token match right after: wrong
+    acc.after_miss = True
+    assert acc.rates(4, 1)[0] < 0.2
+    acc.after_miss = False
+    assert acc.rates(4, 1)[0] > 0.8
 
 
 def test_long_matches_learn_long_drafts_short_ones_do_not():
@@ -183,6 +203,15 @@ def test_estimates_are_not_trusted_blindly(tmp_path):
     assert policy.trim(tokens, confidence=20) == 0
 
 
+def _table(first: int) -> bytes:
+    row = [[[0] * 10, [0] * 10], [[0] * 10, [0] * 10]]
+    row[0][0][0] = first
+    return json.dumps(row).encode()
+
+
+HITS_BAD, HITS_NEG, TRIES_ONE = _table(5), _table(-1), _table(1)  # more hits than tries; a negative count
+
+
 @pytest.mark.parametrize("content", [
     b"\x00\xff garbage",
     b"[1, 2, 3]",
@@ -190,10 +219,11 @@ def test_estimates_are_not_trusted_blindly(tmp_path):
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
     b'{"version": 2, "entries": []}',
     b'{"version": 2, "entries": {"k": {"tables": {"lookup": {"hits": [1, 2], "tries": [1, 2]}}}}}',
-    b'{"version": 2, "entries": {"k": {"tables": {"lookup": {"hits": [[5, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], "tries": [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}}}}}',
-    b'{"version": 2, "entries": {"k": {"tables": {"lookup": {"hits": [[-1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], "tries": [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}}}}}',
-    b'{"version": 2, "entries": {"k": {"tables": {"lookup": "x", "model": {"hits": "NaN"}}}}}',
-    b'{"version": 2, "entries": {"k": "not a table"}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": {"hits": [[5, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], "tries": [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}}}}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": {"hits": ' + HITS_BAD + b', "tries": ' + TRIES_ONE + b'}}}}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": {"hits": ' + HITS_NEG + b', "tries": ' + TRIES_ONE + b'}}}}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": "x", "model": {"hits": "NaN"}}}}}',
+    b'{"version": 3, "entries": {"k": "not a table"}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [1, 2], "tries": [1, 2]}}}}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [5, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [-1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
@@ -384,3 +414,37 @@ def test_hybrid_default_chooser_prefers_a_match():
     assert draft.source == "prompt-lookup" and draft.tokens == [3, 1, 2]
     draft = hybrid.propose([1, 2, 3, 4, 5], 3, GREEDY, np.random.default_rng(0))
     assert draft.source == "draft-model" and len(draft.tokens) == 3
+
+
+# -- the pieces wired together ------------------------------------------------------------------------------
+
+
+def test_selection_follows_the_pair_and_the_flag():
+    from specchat.config import load_config
+    from specchat.loader import select
+
+    cfg = load_config()
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False).hybrid
+    assert not select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False, hybrid=False).hybrid
+    assert select(cfg, pair="qwen-coder", target=None, draft=None, no_spec=False, hybrid=True).hybrid
+    # -md prompt-lookup leaves nothing to fall back on; --no-spec leaves no drafter at all
+    assert not select(cfg, pair="qwen-coder-hybrid", target=None, draft="prompt-lookup", no_spec=False).hybrid
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=True) .draft is None
+
+
+@pytest.mark.real
+def test_hybrid_pair_runs_and_says_which_source_drafted(tmp_path):
+    """SmolLM2 drafting for itself as a hybrid, on text that repeats: the label names both sources, the
+    stats count drafted tokens per source, and a second process finds the saved estimates."""
+    from test_cli import specchat
+
+    text = "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."
+    args = ("prompt", text, "-m", "smollm2-135m", "-md", "smollm2-135m", "--hybrid", "--json", "--temp", "0", "-n", "48")
+    result = specchat(*args, home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["drafter"] == "prompt-lookup + smollm2-135m"
+    by = doc["stats"]["drafted_by"]
+    assert sum(by.values()) == doc["stats"]["drafted"] and set(by) <= {"prompt-lookup", "draft-model", "history"}
+    saved = json.loads((tmp_path / ".cache" / "acceptance.json").read_text())
+    assert any("prompt-lookup + smollm2-135m" in e["label"] for e in saved["entries"].values())
