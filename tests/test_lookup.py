@@ -133,9 +133,9 @@ def test_draft_position_i_of_an_m_token_match_continues_an_m_plus_i_match():
     # a verified step: drafts 0..2 accepted, draft 3 rejected, draft 4+ never reached
     acc = LookupAcceptance()
     acc.record(8, accepted=3, tried=6)
-    assert acc.tries[0].sum() == pytest.approx(4, rel=0.02) and acc.hits[0].sum() == pytest.approx(3, rel=0.02)
+    assert acc.tries[0].sum() == pytest.approx(4, rel=0.1) and acc.hits[0].sum() == pytest.approx(3, rel=0.1)
     # the first was a fresh match (the run's first lookup); the next three followed a correct token
-    assert acc.tries[0, 1].sum() == pytest.approx(1) and acc.tries[0, 0].sum() == pytest.approx(3, rel=0.02)
+    assert acc.tries[0, 1].sum() == pytest.approx(1) and acc.tries[0, 0].sum() == pytest.approx(3, rel=0.1)
     assert acc.after_miss  # the last one checked was wrong
 
 
