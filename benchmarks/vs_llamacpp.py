@@ -6,6 +6,10 @@
    llama.cpp's `llama-speculative-simple` vs `specchat prompt --draft-fixed 6`.
 2. Prompt lookup: llama.cpp `--spec-type ngram-simple` vs specchat's prompt lookup (its default policy
    and forced k = 6), one model, greedy.
+3. (first; `--only lookup` runs just this) specchat's default vs the BEST of llama.cpp's ngram-simple,
+   ngram-map-k and ngram-mod per prompt, on five kinds of work (maths, QA over a context, summarisation,
+   code editing, conversation), with target-only alongside; then the draft-length trace of a fresh
+   process on a prompt type seen before, and of one that has learned nothing.
 
 llama.cpp is built from the llama.cpp vendored in the sdist of the INSTALLED llama-cpp-python version,
 so both sides run the same kernels. Prints generation tokens/s of each and the ratio specchat/llama.cpp.
@@ -41,6 +45,30 @@ PROMPTS = [
     # open generation (little to copy)
     "Write a short story about a robot who learns to paint.\nStory:",
 ]
+
+# issue 10's set: one prompt per kind of work, none of them written for prompt lookup
+LOOKUP_PROMPTS = {
+    "maths": "Problem: A train leaves at 9:40 and travels 156 km at 78 km per hour. A second train leaves at "
+             "10:10 and travels 156 km at 104 km per hour. Which train arrives first, and by how many minutes?\n"
+             "Solution: Step 1:",
+    "qa-context": "Context: The Hubble Space Telescope was launched into low Earth orbit in 1990 and remains in "
+                  "operation. It has a 2.4-metre mirror, and its four main instruments observe in the ultraviolet, "
+                  "visible and near-infrared regions of the spectrum. Hubble's orbit outside the distortion of "
+                  "Earth's atmosphere allows it to capture extremely high-resolution images.\n"
+                  "Question: When was the Hubble Space Telescope launched, how large is its mirror, and why are its "
+                  "images sharp? Answer using the context.\nAnswer:",
+    "summarisation": "Article: The city council voted on Tuesday to extend the bicycle lane network by forty "
+                     "kilometres over the next three years. The plan adds protected lanes on six main roads, new "
+                     "parking for two thousand bicycles near train stations, and a bicycle-sharing scheme in the "
+                     "northern districts. Supporters said the plan will cut traffic and pollution; opponents said "
+                     "it will remove parking spaces for cars and hurt small shops.\nSummary of the article:",
+    "code-editing": "Rename the variable `total` to `running_sum` in this Python function and return the code.\n"
+                    "```python\ndef add_all(values):\n    total = 0\n    for value in values:\n"
+                    "        total = total + value\n    print(total)\n    return total\n```\nEdited code:\n```python\n",
+    "conversation": "User: Hi! I am planning a trip to Lisbon in May. What should I pack?\nAssistant: Lisbon in "
+                    "May is mild and sunny.\nUser: What about evenings, is it cold?\nAssistant:",
+}
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")  # llama.cpp's n-gram drafters, at their defaults
 
 
 def llama_cpp_version() -> str:
@@ -83,10 +111,12 @@ def build(jobs: int, target: str = "llama-speculative-simple") -> Path:
     return binary
 
 
-def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int, draft: int, ngram: bool) -> dict:
+def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int, draft: int, ngram: bool | str) -> dict:
     args = [str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads), "-c", "2048",
             "--temp", "0", "--top-k", "1", "-s", "1", "--ignore-eos", "-ngl", "0"]
-    if ngram:
+    if isinstance(ngram, str):
+        args += ["--spec-type", ngram]  # its own defaults (ngram-simple: 12-gram lookup, up to 48 drafted)
+    elif ngram:
         args += ["--spec-type", "ngram-simple"]  # llama.cpp's defaults: 12-gram lookup, up to 48 drafted
     else:
         args += ["--spec-type", "draft-simple", "-md", str(model), "-ngld", "0", "-td", str(threads), "--spec-draft-n-max", str(draft),
@@ -101,15 +131,97 @@ def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int
             "accept": float(accept.group(1)) / 100 if accept else None}
 
 
-def run_specchat(model_name: str, prompt: str, *, n: int, threads: int, extra: list[str]) -> dict:
+def run_specchat(model_name: str, prompt: str, *, n: int, threads: int, extra: list[str], env: dict | None = None) -> dict:
     args = [sys.executable, "-m", "specchat.cli", "prompt", prompt, "--raw", "-m", model_name, "-n", str(n),
             "-t", str(threads), "-c", "2048", "--temp", "0", "--json", "--ignore-eos", "-ngl", "0", *extra]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"specchat failed: {out.stderr[-2000:]}")
     stats = json.loads(out.stdout)["stats"]
     return {"tokens": stats["generated_tokens"], "seconds": stats["generate_seconds"],
-            "tps": stats["tokens_per_second"], "accept": stats["acceptance_rate"]}
+            "tps": stats["tokens_per_second"], "accept": stats["acceptance_rate"], "drafted": stats["drafted"],
+            "accepted": stats["accepted"], "steps": stats["steps"]}
+
+
+TRACE = """
+import json, sys
+from specchat.config import load_config
+from specchat.loader import LoadOptions, Selection, load
+from specchat.engine import StepEvent, generate
+from specchat.policy import make_policy
+from specchat.sampling import SamplingParams
+loaded = load(load_config(), Selection("gemma-3-270m", "prompt-lookup"), LoadOptions(n_ctx=2048, n_threads=int(sys.argv[2]), n_gpu_layers=0))
+ids = loaded.target.tokenize(sys.argv[1], add_special=True)
+trace, emitted = [], 0
+params = SamplingParams(temperature=0.0, banned=loaded.target.eog_tokens())
+for ev in generate(loaded.target, loaded.drafter, ids, params, max_tokens=int(sys.argv[3]), policy=make_policy(loaded, 64, None)):
+    if isinstance(ev, StepEvent):
+        trace.append((emitted, ev.stats.drafted, ev.stats.accepted))
+        emitted = ev.totals.emitted
+print(json.dumps(trace))
+"""
+
+
+def draft_trace(prompt: str, *, n: int, threads: int, env: dict) -> list[tuple[int, int, int]]:
+    """(tokens emitted before the step, drafted, accepted) per step of one fresh process."""
+    out = subprocess.run([sys.executable, "-c", TRACE, prompt, str(threads), str(n)], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"trace failed: {out.stderr[-2000:]}")
+    return [tuple(x) for x in json.loads(out.stdout)]
+
+
+def lookup_vs_ngram(binary: Path, gemma: Path, a) -> None:
+    """specchat's default (prompt lookup + policy, fresh process per run, estimates kept in a scratch cache
+    dir between runs) vs the best of llama.cpp's three n-gram drafters per prompt.
+
+    llama.cpp's loop stops only after the step that passes -n, so it decodes up to -n + its draft length
+    (168-193 tokens for -n 128), and later tokens of a reply are often easier to predict. So each
+    llama.cpp drafter is compared with a specchat run that generates exactly as many tokens (the same
+    text, greedy): the counts come from one untimed llama.cpp run per drafter first."""
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="specchat-bench-")
+    env = {**os.environ, "SPECCHAT_HOME": home, "PYTHONPATH": str(ROOT)}
+    print(f"\n## specchat default vs the best of llama.cpp {', '.join(NGRAM_TYPES)} (fresh SPECCHAT_HOME {home})")
+    print("llama.cpp tok/s per drafter (tokens it decoded); specchat tok/s over the same number of tokens")
+    print(f"{'prompt':<15}" + "".join(f"{t:>19}" for t in NGRAM_TYPES) + f"{'best':>14}{'specchat':>10}{'ratio':>8}"
+          f"{'no-spec':>9}{'vs no-spec':>11}")
+    ratios = []
+    for i, (kind, prompt) in enumerate(LOOKUP_PROMPTS.items()):
+        lengths = {t: run_llamacpp(binary, gemma, prompt, n=a.n, threads=a.threads, draft=0, ngram=t)["tokens"]
+                   for t in NGRAM_TYPES}
+        ref = {t: [] for t in NGRAM_TYPES}
+        mine = {n: [] for n in set(lengths.values())}
+        plain, counts = [], []
+        for rep in range(a.reps):
+            order = [0, 1] if (i + rep) % 2 == 0 else [1, 0]
+            for who in order:
+                if who == 0:
+                    for t in NGRAM_TYPES:
+                        ref[t].append(run_llamacpp(binary, gemma, prompt, n=a.n, threads=a.threads, draft=0, ngram=t)["tps"])
+                else:
+                    for n in mine:
+                        r = run_specchat("gemma-3-270m", prompt, n=n, threads=a.threads, extra=[], env=env)
+                        mine[n].append(r["tps"])
+                        counts.append(f"{r['accepted']}/{r['drafted']} in {r['steps']}")
+                    plain.append(run_specchat("gemma-3-270m", prompt, n=a.n, threads=a.threads, extra=["--no-spec"], env=env)["tps"])
+        med = {t: statistics.median(v) for t, v in ref.items()}
+        best = max(med, key=med.get)
+        ours, base = statistics.median(mine[lengths[best]]), statistics.median(plain)
+        ratios.append(ours / med[best])
+        print(f"{kind:<15}" + "".join(f"{med[t]:>13.1f} ({lengths[t]:>3})" for t in NGRAM_TYPES) + f"{med[best]:>14.1f}"
+              f"{ours:>10.1f}{ours / med[best]:>7.2f}x{base:>9.1f}{ours / base:>10.2f}x   accepted/drafted in steps: {', '.join(counts)}")
+    print(f"geometric mean specchat / best llama.cpp n-gram drafter = {statistics.geometric_mean(ratios):.2f}x")
+    # a fresh process on a prompt type seen before: how soon it drafts at its steady length
+    kind = "summarisation"
+    trace = draft_trace(LOOKUP_PROMPTS[kind], n=a.n, threads=a.threads, env=env)
+    print(f"\ndraft-length trace, fresh process, {kind} (seen before in this run); (emitted before step: drafted/accepted)")
+    print("  " + " ".join(f"{e}:{d}/{acc}" for e, d, acc in trace if e < 48))
+    cold = {**env, "SPECCHAT_HOME": tempfile.mkdtemp(prefix="specchat-cold-")}
+    trace = draft_trace(LOOKUP_PROMPTS[kind], n=a.n, threads=a.threads, env=cold)
+    print("same, nothing learned before (empty cache dir):")
+    print("  " + " ".join(f"{e}:{d}/{acc}" for e, d, acc in trace if e < 48))
 
 
 def main() -> None:
@@ -119,6 +231,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2, help="alternating repetitions per prompt")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="build jobs")
     parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--only", choices=("all", "lookup", "classic"), default="all",
+                        help="lookup: specchat's default vs llama.cpp's n-gram drafters on LOOKUP_PROMPTS; "
+                             "classic: the draft-model and ngram-simple comparisons on PROMPTS")
     a = parser.parse_args()
 
     binary = build(a.jobs)
@@ -128,6 +243,10 @@ def main() -> None:
     gemma = resolve(load_config().model("gemma-3-270m"))
     print(f"llama-cpp-python {llama_cpp_version()} · gemma-3-270m · threads {a.threads} · -n {a.n} · greedy · "
           f"{a.reps} alternating reps per prompt")
+    if a.only in ("all", "lookup"):
+        lookup_vs_ngram(binary, gemma, a)
+    if a.only == "lookup":
+        return
     cases = [
         ("draft model k=6 (self-pair)",
          lambda p: run_llamacpp(binary, gemma, p, n=a.n, threads=a.threads, draft=6, ngram=False),

@@ -56,7 +56,9 @@ def prompt(
     draft_p_min: opt.DraftPMin = 0.75,
     draft_fixed: opt.DraftFixed = None,
     lookup_min: opt.LookupMin = 1,
-    lookup_max: opt.LookupMax = 4,
+    lookup_max: opt.LookupMax = 32,
+    lookup_history: opt.LookupHistory = True,
+    hybrid: opt.Hybrid = None,
     cross_vocab: opt.CrossVocab = "auto",
     ctx_size: opt.Ctx = 4096,
     ngl: opt.Ngl = None,
@@ -78,8 +80,8 @@ def prompt(
         top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
         draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
-        lookup_max=lookup_max, ctx_size=ctx_size, ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab,
-        rpc=rpc,
+        lookup_max=lookup_max, lookup_history=lookup_history, hybrid=hybrid, ctx_size=ctx_size, ngl=ngl, ngld=ngld,
+        threads=threads, cross_vocab=cross_vocab, rpc=rpc,
     )
     text = read_prompt(text)
     err = ui.make_console(stderr=True, no_color=no_color)  # no_color=False still honours NO_COLOR

@@ -27,7 +27,7 @@ PROMPT_LOOKUP = "prompt-lookup"
 
 SOURCE_KEYS = ("path", "hub", "package", "parts")
 _MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description", "rpc"}
-_PAIR_KEYS = {"target", "draft", "description", "rpc"}
+_PAIR_KEYS = {"target", "draft", "description", "rpc", "lookup"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # owner/repo:selector, selector being a file name (may sit in a folder) or a quant name like Q4_K_M.
@@ -86,6 +86,7 @@ class PairSpec:
     description: str = ""
     origin: str = ""
     rpc: tuple[str, ...] = ()  # RPC workers for the pair's target
+    lookup: bool = False  # hybrid: prompt lookup where it matches, `draft` otherwise
 
 
 @dataclass
@@ -400,6 +401,9 @@ class _File:
             if _looks_like_path(ref) and (parse_hub_ref(ref) is None or (self.base / ref).exists()):
                 ref = self._relative(ref)
             refs[k] = ref
+        lookup = self.get(body, keys, "lookup", bool, False)
+        if lookup and refs["draft"] == PROMPT_LOOKUP:
+            raise self.error(keys + ("lookup",), "needs a draft model to fall back on; this pair's draft is prompt-lookup")
         return PairSpec(
             name=name,
             target=refs["target"],
@@ -407,6 +411,7 @@ class _File:
             description=self.get(body, keys, "description", str, ""),
             origin=self.label,
             rpc=self.rpc(body, keys),
+            lookup=lookup,
         )
 
     def _relative(self, ref: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,10 +19,12 @@ class Draft:
     q: list[Dist | None] = field(default_factory=list)
     # how good the source looked: prompt lookup's matched n-gram length, a draft model's top probability
     confidence: float = 0.0
+    # who drafted: "draft-model", "prompt-lookup" (the context) or "history" (earlier replies)
+    source: str = "draft-model"
 
 
 class Drafter(Protocol):
-    kind: str  # "draft-model" | "prompt-lookup"
+    kind: str  # "draft-model" | "prompt-lookup" | "hybrid"
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         """Called before generation starts, so prompt work is not billed to the first step."""
@@ -98,19 +100,85 @@ class DraftModel:
         return draft
 
 
+
+def longest_match(hay: np.ndarray, n_hay: int, ids: np.ndarray, max_len: int,
+                  usable: np.ndarray | None = None) -> tuple[int, int]:
+    """(position in hay, length) of the longest run ending at a position p < n_hay that equals the tail of
+    `ids`, latest p among equals; (-1, 0) when ids[-1] occurs nowhere. One pass: the positions that
+    match ids[-1] are found once, then only the survivors are extended backwards. Negative hay values
+    (separators) never match a token; `usable` (a mask over hay) excludes positions with nothing after them."""
+    last = len(ids) - 1
+    starts = np.flatnonzero(hay[:n_hay] == ids[last])
+    if usable is not None:
+        starts = starts[usable[starts]]
+    if len(starts) == 0:
+        return -1, 0
+    length = 1
+    best = starts
+    max_len = min(max_len, len(ids))
+    while length < max_len:
+        starts = starts[starts >= length]
+        starts = starts[hay[starts - length] == ids[last - length]]
+        if len(starts) == 0:
+            break
+        length += 1
+        best = starts
+    return int(best[-1]), length
+
+
+class NgramHistory:
+    """Token streams of this user's earlier replies (chat transcripts, report runs), searched when the
+    context has no match as long: llama.cpp's lookup caches (`--lookup-cache-dynamic`), without a
+    separate file format. Streams are joined with -1 separators, which no token matches, and only the
+    latest `max_tokens` are kept so a step's search stays well under a millisecond."""
+
+    def __init__(self, streams: Sequence[Sequence[int]], max_tokens: int = 1 << 16):
+        parts: list[np.ndarray] = []
+        total = 0
+        for stream in reversed(streams):
+            if total >= max_tokens:
+                break
+            arr = np.asarray(stream, dtype=np.int64)[-(max_tokens - total):]
+            parts.append(np.append(arr, -1))
+            total += len(arr) + 1
+        self.ids = np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
+        self._continues = np.append(self.ids[1:] >= 0, False)  # a match at the end of a reply proposes nothing
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def find(self, ids: np.ndarray, k: int, max_len: int) -> tuple[list[int], int]:
+        if len(self.ids) < 2 or len(ids) == 0:
+            return [], 0
+        pos, length = longest_match(self.ids, len(self.ids) - 1, ids, max_len, self._continues)
+        if length == 0:
+            return [], 0
+        follow = self.ids[pos + 1 : pos + 1 + k]
+        cut = np.flatnonzero(follow < 0)  # a continuation ends where its reply ended
+        if len(cut):
+            follow = follow[: cut[0]]
+        return follow.tolist(), length
+
+
 class PromptLookup:
     """Prompt lookup decoding (Saxena 2023; llama.cpp's ngram-simple): find the latest earlier occurrence
-    of the last n tokens (n from max_ngram down to min_ngram) and propose what followed it."""
+    of the longest suffix of the context (up to max_ngram tokens, at least min_ngram) and propose what
+    followed it. The match length is the evidence the policy weighs: a 24-token match predicts a long
+    accepted run, a 1-token one hardly anything. With a `history`, earlier replies are searched too and
+    win when their match is longer."""
 
     kind = "prompt-lookup"
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 4, draft_min: int = 0):
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 32, draft_min: int = 0,
+                 history: NgramHistory | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min n-gram ({min_ngram}) <= max n-gram ({max_ngram})")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.draft_min = draft_min
+        self.history = history
         self.last_match = 0  # n-gram length of the last proposal (0 = none found)
+        self.last_from_history = False
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         pass
@@ -119,26 +187,23 @@ class PromptLookup:
         return 1 << 30
 
     def find(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
-        """(continuation of up to k tokens, matched n-gram length), longest match first, latest first."""
+        """(continuation of up to k tokens, matched n-gram length), longest match first, latest first;
+        the context before the history when their matches are as long."""
         ids = context if isinstance(context, np.ndarray) else np.asarray(context, dtype=np.int64)
+        self.last_from_history = False
+        tokens, length = [], 0
         end = len(ids) - 1
-        if end < self.min_ngram:
+        if end >= self.min_ngram:
+            pos, length = longest_match(ids, end, ids, self.max_ngram)
+            tokens = ids[pos + 1 : pos + 1 + k].tolist() if length else []
+        if self.history is not None and length < self.max_ngram:
+            h_tokens, h_length = self.history.find(ids, k, self.max_ngram)
+            if h_length > length and h_tokens:
+                tokens, length = h_tokens, h_length
+                self.last_from_history = True
+        if length < self.min_ngram:
             return [], 0
-        # positions p < end where ids[p] == ids[end] (match length >= 1), then extend each backwards
-        # on the survivors only: one pass over the context instead of one per n-gram length
-        starts = np.flatnonzero(ids[:end] == ids[end])
-        length = 1
-        best = starts
-        while len(starts) and length < self.max_ngram:
-            starts = starts[starts >= length]
-            starts = starts[ids[starts - length] == ids[end - length]]
-            if len(starts):
-                length += 1
-                best = starts
-        if len(best) == 0 or length < self.min_ngram:
-            return [], 0
-        start = int(best[-1]) + 1
-        return ids[start : start + k].tolist(), length
+        return tokens, length
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         if k <= 0:
@@ -147,4 +212,43 @@ class PromptLookup:
         self.last_match = n
         if len(tokens) < max(1, self.draft_min):
             return Draft()
-        return Draft(tokens=tokens, q=[None] * len(tokens), confidence=float(n))
+        source = "history" if self.last_from_history else "prompt-lookup"
+        return Draft(tokens=tokens, q=[None] * len(tokens), confidence=float(n), source=source)
+
+
+class HybridDrafter:
+    """Prompt lookup where it has a match, the draft model otherwise (what llama.cpp's server does with
+    a draft model and `--spec-type ngram-*` together). Lookup is tried first because it costs nothing;
+    `choose` (the policy's) then says whether to send the match, ask the model for k tokens instead,
+    or draft nothing. Without a chooser a match of min_ngram or more wins."""
+
+    kind = "hybrid"
+
+    def __init__(self, lookup: PromptLookup, model: DraftModel):
+        self.lookup = lookup
+        self.model = model
+        self.backend = model.backend  # the KV cache a caller must reset, the cost a policy measures
+        # (match length, tokens found, limit, from history) -> (source, k): the policy's `choose`
+        self.choose: Callable[[int, int, int, bool], tuple[str, int]] | None = None
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        self.model.prefill(prompt_ids)
+
+    def room(self) -> int:
+        return self.model.room()
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        if k <= 0:
+            return Draft()
+        tokens, n = self.lookup.find(context, k)
+        self.lookup.last_match = n
+        if self.choose is not None:
+            source, k = self.choose(n, len(tokens), k, self.lookup.last_from_history)
+        else:
+            source = "prompt-lookup" if tokens else "draft-model"
+        if source == "prompt-lookup" and tokens:
+            origin = "history" if self.lookup.last_from_history else "prompt-lookup"
+            return Draft(tokens=tokens[:k], q=[None] * min(k, len(tokens)), confidence=float(n), source=origin)
+        if source == "draft-model" and k > 0:
+            return self.model.propose(context, k, params, rng)
+        return Draft()

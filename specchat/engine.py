@@ -129,7 +129,7 @@ def generate(
             t0 = time.perf_counter()
             draft = drafter.propose(context, k, params, rng) if k > 0 else Draft()
             proposed = draft.tokens
-            n_send = policy.trim(proposed, draft.confidence) if proposed else 0
+            n_send = policy.trim(proposed, draft.confidence, draft.source) if proposed else 0
             drafts, q = proposed[:n_send], draft.q[:n_send]
             t1 = time.perf_counter()
             rows = target.eval([context[-1], *drafts], range(len(drafts) + 1), in_place=True)
@@ -177,6 +177,7 @@ def generate(
                 draft_seconds=t1 - t0,
                 verify_seconds=t2 - t1,
                 planned=k,
+                source=draft.source if drafts else "",
             )
             stats.add(step)
             policy.observe(step, proposed, emitted)
@@ -194,6 +195,7 @@ def generate(
         target.truncate(len(context) - 1)
         stats.generate_seconds = time.perf_counter() - gen_started
         stats.rollback_recoveries = target.rollback_recoveries - recoveries_before
+        policy.finish()
     tail = "" if finish == "stop" else detok.flush() + stopper.flush()
     pieces.append(tail)
     yield Finished(

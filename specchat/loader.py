@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .backend import Backend, BackendError, LlamaCppBackend
 from .config import PROMPT_LOOKUP, Config, ModelSpec
-from .drafters import DraftModel, Drafter, IncompatibleDraft, PromptLookup
+from .drafters import DraftModel, Drafter, HybridDrafter, IncompatibleDraft, PromptLookup
 from .sources import resolve
 
 
@@ -28,7 +28,8 @@ class LoadOptions:
     draft_p_min: float = 0.75
     draft_min: int = 0
     lookup_min: int = 1
-    lookup_max: int = 4
+    lookup_max: int = 32
+    lookup_history: bool = True  # prompt lookup also searches earlier replies (history.py)
     cross_vocab: str = "auto"  # rule for a draft with another tokenizer: auto | slem | tli
     rpc: tuple[str, ...] | None = None  # --rpc: workers for the target's layers (None = models.toml's)
 
@@ -39,7 +40,7 @@ class Loaded:
     drafter: Drafter | None
     target_spec: ModelSpec
     draft_spec: ModelSpec | None  # None for prompt lookup and for no drafter
-    drafter_label: str  # "prompt-lookup", a draft model name, or "none"
+    drafter_label: str  # "prompt-lookup", a draft model name, "prompt-lookup + NAME" (hybrid), or "none"
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` in the target's chat template (or the fallback for base models)."""
@@ -47,7 +48,7 @@ class Loaded:
 
         return render(self.target, messages).token_ids
 
-    def policy(self, draft_max: int = 16, draft_fixed: int | None = None):
+    def policy(self, draft_max: int = 64, draft_fixed: int | None = None):
         """The draft-length policy the CLI would use (adaptive unless draft_fixed is given)."""
         from .policy import make_policy
 
@@ -65,19 +66,24 @@ class Selection:
     target: str
     draft: str | None  # model ref, PROMPT_LOOKUP, or None (no speculation)
     rpc: tuple[str, ...] = ()  # the pair's `rpc` workers, when the pair picked the target
+    hybrid: bool = False  # prompt lookup first, the draft model when lookup has nothing better
 
 
-def select(config: Config, *, pair: str | None, target: str | None, draft: str | None, no_spec: bool) -> Selection:
+def select(config: Config, *, pair: str | None, target: str | None, draft: str | None, no_spec: bool,
+           hybrid: bool | None = None) -> Selection:
     """--pair picks both; -m / -md override either part. -m alone drafts with prompt lookup, which needs
-    no second model; --no-spec drops the drafter."""
+    no second model; --no-spec drops the drafter. --hybrid / --no-hybrid override a pair's `lookup`."""
     rpc: tuple[str, ...] = ()
+    pair_hybrid = False
     if pair is not None or target is None:
         chosen = config.pair(pair or "default")
         rpc = chosen.rpc if target is None else ()
         target = target or chosen.target
         draft = draft or chosen.draft
+        pair_hybrid = chosen.lookup
     draft = draft or PROMPT_LOOKUP
-    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc)
+    use_hybrid = (pair_hybrid if hybrid is None else hybrid) and draft != PROMPT_LOOKUP
+    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc, hybrid=use_hybrid and not no_spec)
 
 
 def load(
@@ -102,8 +108,13 @@ def load(
     try:
         if selection.draft is None:
             return Loaded(target, None, target_spec, None, "none")
+        history = None
+        if opts.lookup_history and (selection.draft == PROMPT_LOOKUP or selection.hybrid):
+            from .history import reply_history
+
+            history = reply_history(target)
+        lookup = PromptLookup(opts.lookup_min, opts.lookup_max, draft_min=opts.draft_min, history=history)
         if selection.draft == PROMPT_LOOKUP:
-            lookup = PromptLookup(opts.lookup_min, opts.lookup_max, draft_min=opts.draft_min)
             return Loaded(target, lookup, target_spec, None, PROMPT_LOOKUP)
         draft_spec = config.model(selection.draft)
         status(f"locating draft {draft_spec.name}")
@@ -129,6 +140,9 @@ def load(
         except BackendError:
             draft_backend.close()
             raise
+        if selection.hybrid:
+            return Loaded(target, HybridDrafter(lookup, drafter), target_spec, draft_spec,
+                          f"{PROMPT_LOOKUP} + {draft_spec.name}")
         return Loaded(target, drafter, target_spec, draft_spec, draft_spec.name)
     except BaseException:
         target.close()

@@ -26,7 +26,8 @@ def models_tables(config: Config) -> list[Table]:
     vocabs: dict[str, object] = {}
     for name, pair in config.pairs.items():
         rpc = pair.rpc or (config.models[pair.target].rpc if pair.target in config.models else ())
-        pairs.add_row(name, pair.target, pair.draft, _compatibility(config, pair, vocabs), _layers(rpc), pair.description)
+        drafter = f"{PROMPT_LOOKUP} + {pair.draft}" if pair.lookup else pair.draft
+        pairs.add_row(name, pair.target, drafter, _compatibility(config, pair, vocabs), _layers(rpc), pair.description)
     return [models, pairs]
 
 

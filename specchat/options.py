@@ -63,7 +63,7 @@ Stop = Annotated[
 ]
 DraftMax = Annotated[
     int | None,
-    typer.Option("--draft-max", "--draft-n", min=0, help="Most tokens drafted per step (0 = no drafting). Default 16, the policy picks k up to it.", rich_help_panel=SPEC),
+    typer.Option("--draft-max", "--draft-n", min=0, help="Most tokens drafted per step (0 = no drafting). Default 64, the policy picks k up to it.", rich_help_panel=SPEC),
 ]
 DraftMin = Annotated[
     int, typer.Option("--draft-min", min=0, help="Drop drafts shorter than this.", rich_help_panel=SPEC)
@@ -81,7 +81,15 @@ CrossVocab = Annotated[
     typer.Option("--cross-vocab", help="Rule for a draft model with another tokenizer: slem (exact match of the re-tokenised text), tli (draft restricted to the shared vocabulary, min(1, p/q)), or auto (tli at temperature > 0 when the vocabularies share enough, else slem).", rich_help_panel=SPEC),
 ]
 LookupMin = Annotated[int, typer.Option("--lookup-min", min=1, help="Prompt lookup: shortest n-gram to match.", rich_help_panel=SPEC)]
-LookupMax = Annotated[int, typer.Option("--lookup-max", min=1, help="Prompt lookup: longest n-gram to match.", rich_help_panel=SPEC)]
+LookupMax = Annotated[int, typer.Option("--lookup-max", min=1, max=1024, help="Prompt lookup: longest n-gram to match (a longer match predicts a longer accepted draft).", rich_help_panel=SPEC)]
+LookupHistory = Annotated[
+    bool,
+    typer.Option("--lookup-history/--no-lookup-history", help="Prompt lookup also matches your earlier replies (chat transcripts, report runs).", rich_help_panel=SPEC),
+]
+Hybrid = Annotated[
+    bool | None,
+    typer.Option("--hybrid/--no-hybrid", help="Prompt lookup where it has a match, the draft model otherwise, chosen per step (default: the pair's `lookup` key).", rich_help_panel=SPEC, show_default=False),
+]
 Ctx = Annotated[int, typer.Option("-c", "--ctx-size", min=16, help="Context size in tokens.", rich_help_panel=HARDWARE)]
 Ngl = Annotated[
     int | None,

@@ -9,14 +9,19 @@ drafter that doubles speed there loses here. `AdaptivePolicy` decides from measu
 
 and picks the n with the best rate, n = 0 included. verify_cost comes from timing the target on batches
 of each size (cached per model file and thread count), rescaled online by what steps really take;
-a_i are running estimates per draft position, per kind of proposal (for prompt lookup: the length of
-the matched n-gram and whether the previous lookup was accepted).
+a_i are running estimates: for a draft model, one per draft position; for prompt lookup, one per
+length of the match the token continues (a_i = A(m + i) for an m-token match: see LookupAcceptance),
+so a 24-token match predicts a long accepted run and a 1-token match almost none. They are saved per (target file, drafter) in the cache dir when a run ends
+and read back, discounted, by the next process (`AcceptanceStore`). The hybrid drafter asks `choose`
+each step whether lookup's match, the draft model or neither has the best expected rate.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +33,8 @@ import numpy as np
 from .stats import StepStats
 
 # batch sizes timed at calibration; costs in between are interpolated
-CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 17)
+# (up to 65: a long prompt-lookup match may send 64 drafts)
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 17, 25, 33, 49, 65)
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
 # from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
@@ -39,11 +45,14 @@ class Policy(Protocol):
     def plan(self, limit: int) -> int:
         """Most tokens the drafter should propose now (0 = do not call it), at most `limit`."""
 
-    def trim(self, tokens: Sequence[int], confidence: float) -> int:
-        """How many of the proposed tokens to send to the target."""
+    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
+        """How many of the proposed tokens to send to the target (`source`: the Draft's)."""
 
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
         """The step's outcome: what the drafter proposed (before trimming) and the tokens emitted."""
+
+    def finish(self) -> None:
+        """A generation ended: keep what was learned (the adaptive policy saves its estimates)."""
 
 
 class FixedPolicy:
@@ -55,10 +64,13 @@ class FixedPolicy:
     def plan(self, limit: int) -> int:
         return max(0, min(self.k, limit))
 
-    def trim(self, tokens: Sequence[int], confidence: float) -> int:
+    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
         return len(tokens)
 
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        pass
+
+    def finish(self) -> None:
         pass
 
 
@@ -155,7 +167,8 @@ def cached_cost_model(backend, cache_file: Path | None) -> CostModel:
         except (OSError, ValueError):
             table = {}
     entry = table.get(key)
-    if entry:
+    # an entry from before drafts could reach 64 is measured again rather than extrapolated that far
+    if entry and entry.get("sizes") and entry["sizes"][-1] >= min(CALIBRATION_SIZES[-1], backend.n_ctx // 2):
         return CostModel(entry["sizes"], entry["seconds"])
     model = CostModel.measure(backend)
     if cache_file is not None:
@@ -204,6 +217,27 @@ class Acceptance:
             if i < accepted:
                 self.hits[j] += 1
 
+    def as_dict(self) -> dict:
+        return {"hits": [round(float(x), 4) for x in self.hits], "tries": [round(float(x), 4) for x in self.tries]}
+
+    def absorb(self, saved: dict, trust: float) -> bool:
+        """Start from counts an earlier process saved, discounted so that at most `trust` observations
+        per position carry over: a fresh run begins where the last one left off, and its own evidence
+        overrides the old within a few steps. False (and nothing changed) for anything malformed."""
+        try:
+            hits = np.asarray(saved["hits"], dtype=np.float64)
+            tries = np.asarray(saved["tries"], dtype=np.float64)
+        except (KeyError, TypeError, ValueError):
+            return False
+        if hits.shape != (MAX_POSITION,) or tries.shape != (MAX_POSITION,):
+            return False
+        if not (np.isfinite(hits).all() and np.isfinite(tries).all()) or (hits < 0).any() or (hits > tries + 1e-6).any():
+            return False
+        scale = np.where(tries > trust, trust / np.maximum(tries, 1e-12), 1.0)
+        self.hits = hits * scale
+        self.tries = tries * scale
+        return True
+
 
 def best_length(
     a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: float = 0.0, overhead: float = 0.0
@@ -220,61 +254,229 @@ def best_length(
     return best, float(rates[best])
 
 
-class AdaptivePolicy:
-    """The default: picks k per step to maximise expected tokens per second (see module doc)."""
+# matched n-gram lengths that share an estimate: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+
+LOOKUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+LOOKUP_PRIOR = np.array([0.3, 0.45, 0.55, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93])
 
-    def __init__(self, verify_cost: CostModel, *, kind: str, draft_max: int, draft_cost: CostModel | None = None):
+
+def match_bucket(length: int) -> int:
+    """The bucket of a matched n-gram length (its smallest member): 1, 2, 3, 4, 6, 8, 12, 16, 24 or 32."""
+    return LOOKUP_BUCKETS[_bucket_index(np.asarray([length]))[0]]
+
+
+def _bucket_index(lengths: np.ndarray) -> np.ndarray:
+    return np.clip(np.searchsorted(LOOKUP_BUCKETS, lengths, side="right") - 1, 0, len(LOOKUP_BUCKETS) - 1)
+
+
+class LookupAcceptance:
+    """P(the next copied token is right | the match so far is m tokens long), per bucket of m, as
+    decayed counts, kept apart for matches in the context and in earlier replies, and for a token that
+    follows a correct lookup token (inside a span being copied) or not (a fresh match: after a miss, or
+    the first of a run).
+
+    Draft position i of an m-token match, reached with every draft before it accepted, continues an
+    (m + i)-token match inside a span, so a_0 = A(m | fresh or not), a_i = A(m + i | in span): every
+    verified or shadow-checked token teaches one bucket, and a long match predicts a long accepted run
+    by itself. The fresh/in-span split is what keeps a spurious short match (a common phrase, right
+    after the reply left the text it was copying) from borrowing the record of tokens inside copied spans."""
+
+    DECAY = 0.95  # per observation of a bucket: about the last twenty count, so it follows the reply
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self) -> None:
+        shape = (2, 2, len(LOOKUP_BUCKETS))  # [from history][after a miss][bucket]
+        self.hits = np.zeros(shape)
+        self.tries = np.zeros(shape)
+        self.after_miss = True  # the run's first lookup token is a fresh match
+
+    def rates(self, match: int, n: int, history: bool = False) -> np.ndarray:
+        idx = _bucket_index(match + np.arange(n))
+        h = int(history)
+        state = np.zeros(n, dtype=np.intp)
+        if n:
+            state[0] = int(self.after_miss)
+        # an earlier reply is weaker evidence, a fresh match weaker than a span being followed
+        prior = LOOKUP_PRIOR[idx] * (0.8 if history else 1.0) * np.where(state == 1, 0.7, 1.0)
+        return (self.hits[h, state, idx] + self.PRIOR_WEIGHT * prior) / (self.tries[h, state, idx] + self.PRIOR_WEIGHT)
+
+    def add(self, match: int, hit: bool, history: bool = False) -> None:
+        """One checked token: the proposal continuing an m-token match was right or wrong."""
+        h, m, b = int(history), int(self.after_miss), int(_bucket_index(np.asarray([match]))[0])
+        self.hits[h, m, b] = self.hits[h, m, b] * self.DECAY + hit
+        self.tries[h, m, b] = self.tries[h, m, b] * self.DECAY + 1.0
+        self.after_miss = not hit
+
+    def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
+        """A verified step: drafts 0..accepted-1 were right; draft `accepted` (if tried) was wrong; the
+        ones after it were never reached, so they say nothing."""
+        for i in range(min(tried, accepted + 1)):
+            self.add(match + i, i < accepted, history)
+
+    def as_dict(self) -> dict:
+        return {"hits": np.round(self.hits, 4).tolist(), "tries": np.round(self.tries, 4).tolist()}
+
+    def absorb(self, saved: dict, trust: float) -> bool:
+        """Counts an earlier process saved, each bucket discounted to at most `trust` observations."""
+        try:
+            hits = np.asarray(saved["hits"], dtype=np.float64)
+            tries = np.asarray(saved["tries"], dtype=np.float64)
+        except (KeyError, TypeError, ValueError):
+            return False
+        if hits.shape != self.hits.shape or tries.shape != self.tries.shape:
+            return False
+        if not (np.isfinite(hits).all() and np.isfinite(tries).all()) or (hits < 0).any() or (hits > tries + 1e-6).any():
+            return False
+        scale = np.where(tries > trust, trust / np.maximum(tries, 1e-12), 1.0)
+        self.hits, self.tries = hits * scale, tries * scale
+        return True
+
+
+class AcceptanceStore:
+    """Acceptance estimates kept across processes: one JSON file in the cache dir, one entry per
+    (target file, drafter). Written atomically at the end of each generation; a missing, corrupt or
+    foreign file (or entry) is ignored and overwritten, never an error."""
+
+    VERSION = 3
+    TRUST = 8.0  # observations a saved estimate counts as (per position or bucket), however many it had
+
+    def __init__(self, path: Path, key: str, label: str = ""):
+        self.path = path
+        self.key = key
+        self.label = label
+
+    def _read(self) -> dict:
+        try:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return {}
+        if not isinstance(doc, dict) or doc.get("version") != self.VERSION or not isinstance(doc.get("entries"), dict):
+            return {}
+        return doc["entries"]
+
+    def load(self) -> dict[str, dict]:
+        entry = self._read().get(self.key)
+        tables = entry.get("tables") if isinstance(entry, dict) else None
+        return tables if isinstance(tables, dict) else {}
+
+    def save(self, tables: dict[str, dict]) -> None:
+        entries = self._read()
+        entries[self.key] = {"label": self.label, "updated": time.time(), "tables": tables}
+        if len(entries) > 64:  # forget the pairs not used for the longest time
+            for old in sorted(entries, key=lambda k: entries[k].get("updated", 0) if isinstance(entries[k], dict) else 0)[:-64]:
+                del entries[old]
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"version": self.VERSION, "entries": entries}), encoding="utf-8")
+            os.replace(tmp, self.path)  # another process reading never sees half a file
+        except OSError:  # a read-only cache only means starting from the priors next time
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+class AdaptivePolicy:
+    """The default: picks k per step to maximise expected tokens per second (see module doc).
+
+    kind "prompt-lookup": the proposal is free, so propose first and trim with what the match looks like.
+    kind "draft-model": choose k before the model drafts, from its per-position acceptance and its cost.
+    kind "hybrid": lookup runs first; `choose` compares its best rate with the model's and with k = 0."""
+
+    def __init__(self, verify_cost: CostModel, *, kind: str, draft_max: int, draft_cost: CostModel | None = None,
+                 store: AcceptanceStore | None = None):
         self.verify_cost = verify_cost
         self.draft_cost = draft_cost
         self.kind = kind
         self.draft_max = draft_max
-        self.lookup: dict[tuple[int, int], Acceptance] = {}
+        self.uses_lookup = kind in ("prompt-lookup", "hybrid")
+        self.lookup = LookupAcceptance()
         # a draft model gets an optimistic prior so it is tried; its misses then teach the policy
         self.model_acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
-        self.last_lookup_ok = 2  # 0 rejected, 1 accepted, 2 no lookup yet
-        self._features: tuple[int, int] | None = None
-        self._shadow: list[int] = []  # proposed tokens not sent to the target, checked against what comes
-        self._shadow_key: tuple[int, int] | None = None
-        self._shadow_offset = 0
+        self._match: tuple[int, bool] | None = None  # this step's lookup match: (length, from history)
+        self._source = "draft-model" if kind == "draft-model" else "prompt-lookup"  # this step's
+        self._lookup_n = 0  # hybrid: how many of lookup's tokens `choose` decided to send
+        # proposed tokens not sent to the target, checked against what it emits: free evidence
+        self._shadow: list[int] = []
+        self._shadow_match: tuple[int, bool] = (0, False)  # match length the shadow's first token continues
         # A draft model whose every token costs about as much as a target token cannot pay even if it
         # were always right (a self-pair on a CPU): then it is not even given the prompt.
-        self.drafting_possible = kind == "prompt-lookup" or best_length(
+        self.model_possible = kind != "prompt-lookup" and best_length(
             np.ones(max(1, draft_max)), verify_cost, draft_cost(1) if draft_cost else 0.0
         )[0] > 0
+        self.drafting_possible = self.uses_lookup or self.model_possible
         # Seconds per step spent outside drafting and verifying (bookkeeping, the consumer drawing
         # tokens). Paid once per step whatever k is, so it favours longer drafts.
         self.overhead = 0.0
         self._last_observed: float | None = None
+        self.store = store
+        if store is not None:
+            tables = store.load()
+            if self.uses_lookup and "lookup" in tables:
+                self.lookup.absorb(tables["lookup"], AcceptanceStore.TRUST)
+            if self.kind != "prompt-lookup" and "model" in tables:
+                self.model_acceptance.absorb(tables["model"], AcceptanceStore.TRUST)
 
-    # --- prompt lookup: the proposal is free, so propose first and trim with what the match looks like
+    # --- memory across runs
 
-    def _lookup_stats(self, key: tuple[int, int]) -> Acceptance:
-        stats = self.lookup.get(key)
-        if stats is None:
-            # longer matches start more trusted; the first observations override the prior quickly
-            prior = {1: 0.3, 2: 0.45, 3: 0.55}.get(key[0], 0.65)
-            stats = self.lookup[key] = Acceptance(prior_hits=2 * prior, prior_tries=2.0)
-        return stats
+    def tables(self) -> dict[str, dict]:
+        out = {}
+        if self.uses_lookup and self.lookup.tries.sum() > 0:
+            out["lookup"] = self.lookup.as_dict()
+        if self.kind != "prompt-lookup" and self.model_acceptance.tries.sum() > 0:
+            out["model"] = self.model_acceptance.as_dict()
+        return out
+
+    def finish(self) -> None:
+        if self.store is not None:
+            self.store.save(self.tables())
+
+    # --- choosing k
+
+    def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
+        return best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead)
+
+    def _model_best(self, limit: int) -> tuple[int, float]:
+        if not self.model_possible or limit <= 0:
+            return 0, 1.0 / (self.verify_cost(1) + self.overhead)
+        per_token = self.draft_cost(1) if self.draft_cost else 0.0
+        return best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token, self.overhead)
 
     def plan(self, limit: int) -> int:
         limit = min(limit, self.draft_max)
         if limit <= 0:
             return 0
-        if self.kind == "prompt-lookup":
-            return limit
-        if not self.drafting_possible:
-            return 0
-        per_token = self.draft_cost(1) if self.draft_cost else 0.0
-        n, _ = best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token, self.overhead)
+        if self.uses_lookup:
+            return limit  # lookup's proposal is free: look first, decide in trim / choose
+        n, _ = self._model_best(limit)
         return n
 
-    def trim(self, tokens: Sequence[int], confidence: float) -> int:
-        if self.kind != "prompt-lookup" or not tokens:
+    def choose(self, match: int, n_tokens: int, limit: int, from_history: bool = False) -> tuple[str, int]:
+        """Hybrid: ("prompt-lookup", n) to send n of lookup's tokens, ("draft-model", k) to have the model
+        draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup wins ties:
+        its drafts cost nothing, so a long match beats the model even where the model's tokens are cheap."""
+        lookup_n, lookup_rate = (0, 0.0) if n_tokens <= 0 else self._lookup_best(match, n_tokens, from_history)
+        model_n, model_rate = self._model_best(limit)
+        self._match = (match, from_history) if n_tokens > 0 else None
+        if lookup_n > 0 and lookup_rate >= model_rate:
+            self._source, self._lookup_n = "prompt-lookup", lookup_n
+            return "prompt-lookup", lookup_n
+        if model_n > 0:
+            self._source = "draft-model"
+            return "draft-model", model_n
+        self._source = "none"
+        return "none", 0
+
+    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
+        if not tokens or self._source == "draft-model":
             return len(tokens)
-        key = (min(int(confidence), 4), self.last_lookup_ok)
-        self._features = key
-        n, _ = best_length(self._lookup_stats(key).rates(len(tokens)), self.verify_cost, 0.0, self.overhead)
+        if self.kind == "hybrid":
+            return min(len(tokens), self._lookup_n)
+        self._match = (int(confidence), source == "history")
+        n, _ = self._lookup_best(int(confidence), len(tokens), source == "history")
         return n
+
+    # --- learning
 
     def _observe_overhead(self, step: StepStats) -> None:
         now = time.perf_counter()
@@ -288,55 +490,52 @@ class AdaptivePolicy:
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
         self._observe_overhead(step)
         self.verify_cost.update(step.drafted + 1, step.verify_seconds)
-        if self.draft_cost is not None and step.drafted > 0:
-            self.draft_cost.update(1, step.draft_seconds / step.drafted)
-        if self.kind != "prompt-lookup":
+        source = self._source
+        if self.kind == "hybrid":
+            self._source = "none"  # until the next choose()
+        match, self._match = self._match, None
+        if source == "draft-model":
+            if self.draft_cost is not None and step.drafted > 0:
+                self.draft_cost.update(1, step.draft_seconds / step.drafted)
             self.model_acceptance.record(step.accepted, step.drafted)
-            return
-        features, self._features = self._features, None
-        if not proposed or features is None:
             self._check_shadow(emitted)
             return
+        if not proposed or match is None:
+            self._check_shadow(emitted)
+            return
+        length, history = match
         if step.drafted:
             # a real verification supersedes any shadow over the same tokens
-            self._lookup_stats(features).record(step.accepted, step.drafted)
-            self.last_lookup_ok = int(step.accepted > 0)
+            self.lookup.record(length, step.accepted, step.drafted, history)
             self._shadow = []
         else:
             overlap = min(len(proposed), len(self._shadow))
             if self._shadow and list(proposed[:overlap]) == self._shadow[:overlap]:
-                # the span being followed, proposed again: keep following the older shadow, which is
-                # further along, rather than counting the same tokens twice
+                # the span being followed, proposed again: keep following the older shadow rather than
+                # counting the same tokens twice (its match length has grown with it)
                 self._check_shadow(emitted)
                 return
         # Tokens proposed but not verified teach the policy for free: compare them with what the target
         # emits next. For a one-hot proposal a match has exactly the acceptance probability.
         tail = list(proposed[step.drafted :])
         if step.accepted == step.drafted and tail:
-            self._shadow, self._shadow_key, self._shadow_offset = tail, features, step.drafted
+            self._shadow, self._shadow_match = tail, (length + step.drafted, history)
             self._check_shadow(emitted[step.accepted :])  # the step's own last token checks the tail's first
 
     def _check_shadow(self, emitted: Sequence[int]) -> None:
-        if not self._shadow or self._shadow_key is None:
-            return
-        stats = self._lookup_stats(self._shadow_key)
         for token in emitted:
             if not self._shadow:
                 break
             hit = token == self._shadow[0]
-            j = min(self._shadow_offset, MAX_POSITION - 1)
-            stats.tries[j] += 1
-            stats.hits[j] += hit
-            if self._shadow_offset == 0:
-                self.last_lookup_ok = int(hit)
-            self._shadow_offset += 1
+            length, history = self._shadow_match
+            self.lookup.add(length, hit, history)
+            self._shadow_match = (length + 1, history)
             self._shadow = self._shadow[1:] if hit else []
-        if not self._shadow:
-            self._shadow_key = None
 
 
-def make_policy(loaded, draft_max: int, draft_fixed: int | None) -> Policy:
-    """The policy a command runs with: none without a drafter, fixed with --draft-fixed, else adaptive."""
+def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True) -> Policy:
+    """The policy a command runs with: none without a drafter, fixed with --draft-fixed, else adaptive,
+    starting from the estimates earlier runs saved for this target and drafter (unless remember=False)."""
     from .paths import cache_dir
 
     if loaded.drafter is None or draft_max == 0:
@@ -345,7 +544,17 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None) -> Policy:
         return FixedPolicy(draft_fixed)
     cache_file = cache_dir() / "costs.json"
     verify = cached_cost_model(loaded.target, cache_file)
+    drafter = loaded.drafter
     draft_cost = None
-    if loaded.drafter.kind == "draft-model":
-        draft_cost = cached_cost_model(loaded.drafter.backend, cache_file)
-    return AdaptivePolicy(verify, kind=loaded.drafter.kind, draft_max=draft_max, draft_cost=draft_cost)
+    drafter_id = drafter.kind
+    if drafter.kind in ("draft-model", "hybrid"):
+        draft_cost = cached_cost_model(drafter.backend, cache_file)
+        drafter_id += ":" + cost_cache_key(drafter.backend)
+    store = None
+    if remember:
+        label = f"{loaded.target.name} + {getattr(loaded, 'drafter_label', drafter.kind)}"
+        store = AcceptanceStore(cache_dir() / "acceptance.json", f"{cost_cache_key(loaded.target)}|{drafter_id}", label)
+    policy = AdaptivePolicy(verify, kind=drafter.kind, draft_max=draft_max, draft_cost=draft_cost, store=store)
+    if drafter.kind == "hybrid":
+        drafter.choose = policy.choose
+    return policy

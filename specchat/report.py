@@ -50,7 +50,7 @@ BASELINE = "target-only"
 POLICY = "policy"
 ALL = "all"
 DEFAULT_CATEGORY = "custom"  # prompts from a plain-text file, or JSONL lines without a category
-POLICY_DRAFT_MAX = 16
+POLICY_DRAFT_MAX = 64
 TERMINAL_POSITIONS = 8  # per-position columns shown in the terminal (report.md and .json have all)
 
 
@@ -257,6 +257,7 @@ def stats_from_dict(d: dict) -> RunStats:
         position_hits=list(d["position_hits"]),
         accepted_lengths=Counter({int(k): v for k, v in d["accepted_length_histogram"].items()}),
         draft_lengths=Counter({int(k): v for k, v in d["draft_lengths"].items()}),
+        drafted_by=Counter(d.get("drafted_by", {})),
         rollback_recoveries=d.get("rollback_recoveries", 0),
     )
 
@@ -815,7 +816,7 @@ def report_command(
     draft: opt.Draft = None,
     pair: opt.Pair = None,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="Prompt file: JSONL {\"id\", \"category\", \"turns\": [...]} (several turns run as a conversation) or one prompt per line. Default: the built-in set (36 prompts, 6 kinds of work).", rich_help_panel=REPORT, show_default=False)] = None,
-    draft_max: Annotated[str, typer.Option("--draft-max", "--draft-n", help="Settings to sweep: comma-separated draft lengths (fixed k; 0 = target-only) and/or `policy` (the adaptive default, up to 16). Target-only always runs. Example: 0,2,4,6,8,policy.", rich_help_panel=opt.SPEC)] = POLICY,
+    draft_max: Annotated[str, typer.Option("--draft-max", "--draft-n", help="Settings to sweep: comma-separated draft lengths (fixed k; 0 = target-only) and/or `policy` (the adaptive default, up to 64). Target-only always runs. Example: 0,2,4,6,8,policy.", rich_help_panel=opt.SPEC)] = POLICY,
     category: Annotated[list[str] | None, typer.Option("--category", help="Only prompts of this category (repeatable).", rich_help_panel=REPORT, show_default=False)] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N prompts (the built-in set interleaves categories).", rich_help_panel=REPORT, show_default=False)] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md and report.png.", rich_help_panel=REPORT)] = Path("specchat-report"),
@@ -832,7 +833,9 @@ def report_command(
     draft_min: opt.DraftMin = 0,
     draft_p_min: opt.DraftPMin = 0.75,
     lookup_min: opt.LookupMin = 1,
-    lookup_max: opt.LookupMax = 4,
+    lookup_max: opt.LookupMax = 32,
+    lookup_history: Annotated[bool, typer.Option("--lookup-history/--no-lookup-history", help="Keep this run's replies as a prompt-lookup source for later chats and prompts. The report never reads them itself, so it measures the same thing each time.", rich_help_panel=opt.SPEC)] = True,
+    hybrid: opt.Hybrid = None,
     cross_vocab: opt.CrossVocab = "auto",
     ctx_size: opt.Ctx = 4096,
     ngl: opt.Ngl = None,
@@ -867,7 +870,8 @@ def report_command(
         top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed,
         draft_max=max(longest, POLICY_DRAFT_MAX if any(s.k is None for s in settings) else 0), draft_min=draft_min,
-        draft_p_min=draft_p_min, draft_fixed=None, lookup_min=lookup_min, lookup_max=lookup_max, ctx_size=ctx_size,
+        draft_p_min=draft_p_min, draft_fixed=None, lookup_min=lookup_min, lookup_max=lookup_max,
+        lookup_history=False, hybrid=hybrid, ctx_size=ctx_size,
         ngl=ngl, ngld=ngld, threads=threads, cross_vocab=cross_vocab, rpc=rpc,
     )
     err = Console(stderr=True, no_color=no_color)
@@ -913,6 +917,10 @@ def report_command(
         if rule:
             doc["cross_vocab"] = rule_info(loaded.drafter, run.params)
     paths = write_outputs(doc, out)
+    if lookup_history:
+        from .history import save_replies
+
+        save_replies((r.text for r in records if r.setting == BASELINE), target=loaded.target_spec.name)
     console.print(f"[bold]{doc['target']}[/] drafted by [bold]{doc['drafter']}[/] · {len(items)} prompts · "
                   f"{len(records)} runs · max {run.max_tokens} tokens · temp {run.params.temperature}")
     detail = table_specs(doc, max_positions=TERMINAL_POSITIONS, compact=True)

@@ -10,11 +10,14 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from .backend import BackendError
-from .config import Config, ConfigError
+from .config import PROMPT_LOOKUP, Config, ConfigError
 from .loader import LoadOptions, Selection, load, select
 from .sampling import SamplingParams
 from .sources import SourceError
 from .template import TemplateError
+
+
+DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it
 
 
 class UserError(Exception):
@@ -50,11 +53,11 @@ def run_options(
     *,
     target, draft, pair, no_spec, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
     frequency_penalty, presence_penalty, seed, draft_max, draft_min, draft_p_min, draft_fixed, lookup_min,
-    lookup_max, ctx_size, ngl, ngld, threads, cross_vocab="auto", rpc=None,
+    lookup_max, lookup_history=True, hybrid=None, ctx_size, ngl, ngld, threads, cross_vocab="auto", rpc=None,
 ) -> RunOptions:
     if lookup_min > lookup_max:
         raise UserError(f"--lookup-min ({lookup_min}) must not exceed --lookup-max ({lookup_max})")
-    draft_max = 16 if draft_max is None else draft_max
+    draft_max = DRAFT_MAX if draft_max is None else draft_max
     if draft_min > draft_max:
         raise UserError(f"--draft-min ({draft_min}) must not exceed --draft-max ({draft_max})")
     from .crossvocab import check_rule
@@ -67,10 +70,13 @@ def run_options(
         temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
         repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed,
     )
-    selection = select(config, pair=pair, target=target, draft=draft, no_spec=no_spec or draft_max == 0)
+    selection = select(config, pair=pair, target=target, draft=draft, no_spec=no_spec or draft_max == 0, hybrid=hybrid)
+    if hybrid and selection.draft == PROMPT_LOOKUP:
+        raise UserError("--hybrid needs a draft model (-md MODEL or a pair with one) to fall back on")
     load_opts = LoadOptions(
         n_ctx=ctx_size, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, n_threads=threads,
         draft_p_min=draft_p_min, draft_min=draft_min, lookup_min=lookup_min, lookup_max=lookup_max,
+        lookup_history=lookup_history,
         cross_vocab=cross_vocab,
         rpc=rpc_endpoints(rpc),
     )

@@ -26,6 +26,8 @@ class StepStats:
     planned: int = 0
     # tokens the step decided: `emitted` plus an end-of-generation token that ended it (not shown)
     decided: int | None = None
+    # who drafted: "draft-model", "prompt-lookup", "history" (earlier replies); "" when nothing was
+    source: str = ""
 
 
 @dataclass
@@ -47,6 +49,7 @@ class RunStats:
     position_hits: list[int] = field(default_factory=list)  # ... whose draft i was accepted
     accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps
     draft_lengths: Counter = field(default_factory=Counter)  # drafted tokens per step -> steps
+    drafted_by: Counter = field(default_factory=Counter)  # drafted tokens per source (StepStats.source)
     rollback_recoveries: int = 0  # KV rollbacks that failed and were repaired by re-evaluating
 
     def add(self, s: StepStats) -> None:
@@ -66,6 +69,8 @@ class RunStats:
                 self.position_hits[i] += 1
         self.accepted_lengths[s.accepted] += 1
         self.draft_lengths[s.drafted] += 1
+        if s.drafted:
+            self.drafted_by[s.source or "draft-model"] += s.drafted
 
     def merge(self, other: RunStats) -> None:
         for name in ("steps", "drafted", "accepted", "emitted", "decided", "draft_seconds", "verify_seconds",
@@ -80,6 +85,7 @@ class RunStats:
             self.position_hits[i] += hits
         self.accepted_lengths.update(other.accepted_lengths)
         self.draft_lengths.update(other.draft_lengths)
+        self.drafted_by.update(other.drafted_by)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -122,6 +128,7 @@ class RunStats:
             "per_position_acceptance": self.per_position_acceptance,
             "accepted_length_histogram": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
             "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
+            "drafted_by": dict(sorted(self.drafted_by.items())),
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
             "prefill_seconds": self.prefill_seconds,

@@ -218,3 +218,12 @@ def test_bad_parts_models(tmp_path, monkeypatch, body, where, words):
     err = load_error(tmp_path, monkeypatch, f"[models.m]\n{body}\n")
     assert words in str(err), str(err)
     assert err.key == ("models.m." + where if where else "models.m")
+
+
+def test_a_pair_can_be_a_hybrid_and_the_key_is_checked(tmp_path, monkeypatch):
+    cfg = load_config()
+    assert cfg.pairs["qwen-coder-hybrid"].lookup and not cfg.pairs["qwen-coder"].lookup
+    err = load_error(tmp_path, monkeypatch, '[pairs.p]\ntarget = "smollm2-135m"\ndraft = "prompt-lookup"\nlookup = true\n')
+    assert err.key == "pairs.p.lookup" and "draft model" in str(err)
+    err = load_error(tmp_path, monkeypatch, '[pairs.p]\ntarget = "smollm2-135m"\ndraft = "smollm2-135m"\nlookup = "yes"\n')
+    assert err.key == "pairs.p.lookup" and "true or false" in str(err)

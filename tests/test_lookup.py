@@ -1,0 +1,450 @@
+"""Prompt lookup as evidence: longest matches up to 32+, earlier replies as a source, estimates kept
+across processes, and the hybrid drafter (lookup or the draft model, chosen per step)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from specchat.drafters import HybridDrafter, NgramHistory, PromptLookup, longest_match
+from specchat.engine import TokenEvent, generate
+from specchat.history import earlier_replies, reply_history, save_replies
+from specchat.policy import (
+    AcceptanceStore,
+    AdaptivePolicy,
+    CostModel,
+    FixedPolicy,
+    LookupAcceptance,
+    match_bucket,
+)
+from specchat.sampling import SamplingParams
+from specchat.stats import StepStats
+
+from fakes import ALPHA, FakeBackend, chi2_pvalue, detection_power, make_draft_model, markov_logits
+
+CPU = CostModel([1, 2, 4, 8, 16, 32, 64], [0.015, 0.025, 0.038, 0.069, 0.101, 0.19, 0.37])
+GPU = CostModel([1, 2, 4, 8, 16, 32, 64], [0.020, 0.0202, 0.0205, 0.021, 0.022, 0.024, 0.028])
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def step(drafted, accepted, source="prompt-lookup"):
+    return StepStats(step=0, drafted=drafted, accepted=accepted, emitted=accepted + 1, draft_seconds=0.0,
+                     verify_seconds=0.0, source=source)
+
+
+# -- lookup on hand-made token streams -------------------------------------------------------------------
+
+
+def test_longest_match_beats_a_later_shorter_one():
+    span = list(range(100, 124))  # 24 tokens
+    context = [1, *span, 7, 8, 9, 2, span[-1], 50, 51, 3, *span]
+    # span[-1] also occurs later (followed by 50) but only as a 1-gram: the 24-token match wins
+    tokens, length = PromptLookup(1, 32).find(context, 5)
+    assert length == 24 and tokens == [7, 8, 9, 2, span[-1]]
+    # capped at 4 (the old default) the same stream cannot tell it from a short match
+    assert PromptLookup(1, 4).find(context, 5)[1] == 4
+
+
+def test_among_equal_matches_the_latest_wins():
+    context = [5, 6, 1, 5, 6, 2, 5, 6, 3, 5, 6]
+    assert PromptLookup(1, 32).find(context, 1) == ([3], 2)
+
+
+def test_match_is_capped_at_max_ngram_and_reaches_32():
+    span = list(range(200, 240))  # 40 tokens
+    context = [*span, 9, *span]
+    tokens, length = PromptLookup(1, 32).find(context, 3)
+    assert length == 32 and tokens == [9, *span[:2]]
+    assert longest_match(np.asarray(context), len(context) - 1, np.asarray(context), 64)[1] == 40
+
+
+def test_matches_across_turns_of_a_conversation():
+    # turn 1's reply is quoted again in turn 2: the context holds both turns, the match spans the boundary
+    turn1 = [10, 11, 12, 13, 14, 15, 16, 17]
+    turn2_user = [90, 91, 12, 13, 14]
+    tokens, length = PromptLookup(1, 32).find([1, *turn1, 2, *turn2_user], 4)
+    assert length == 3 and tokens == [15, 16, 17, 2]
+
+
+def test_history_match_wins_only_when_longer_and_stops_at_the_reply_end():
+    history = NgramHistory([[40, 41, 42, 43, 44], [60, 61, 62]])
+    lookup = PromptLookup(1, 32, history=history)
+    # context has a 1-token match for 42; history has 42 preceded by 40, 41: a 3-token match wins
+    tokens, length = lookup.find([42, 99, 40, 41, 42], 8)
+    assert (tokens, length) == ([43, 44], 3) and lookup.last_from_history  # cut at the end of the reply
+    # as long in the context: the context wins (it is this conversation)
+    tokens, length = lookup.find([61, 62, 7, 61, 62], 4)
+    assert (tokens, length) == ([7, 61, 62], 2) and not lookup.last_from_history
+    draft = lookup.propose([1, 40, 41, 42], 4, GREEDY, np.random.default_rng(0))
+    assert draft.source == "history" and draft.tokens == [43, 44]
+    # the separator never matches, so a reply's first token cannot continue the one before it
+    assert history.find(np.asarray([44]), 4, 32) == ([], 0)
+
+
+def test_history_keeps_the_latest_tokens():
+    history = NgramHistory([[1] * 10, [2] * 10, [3] * 10], max_tokens=15)
+    assert 1 not in history.ids and 3 in history.ids and len(history) <= 17
+
+
+def test_replies_saved_by_a_report_and_transcripts_feed_the_history(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    transcripts = tmp_path / "share" / "transcripts"
+    transcripts.mkdir(parents=True)
+    (transcripts / "a.jsonl").write_text(
+        json.dumps({"role": "user", "content": "hi"}) + "\n"
+        + "not json\n" + json.dumps({"role": "assistant", "content": 5}) + "\n"  # skipped, not fatal
+        + json.dumps({"role": "assistant", "content": "abcab"}) + "\n", encoding="utf-8")
+    assert save_replies(["cdecd", ""], target="t") is not None
+    assert sorted(earlier_replies()) == ["abcab", "cdecd"]
+    target = FakeBackend(lambda ctx: np.zeros(26), 26)  # one letter per token
+    history = reply_history(target)
+    lookup = PromptLookup(1, 32, history=history)
+    # "xxcd" -> the saved report reply "cdecd" continues after "cd" with "ecd"
+    assert lookup.find(target.tokenize("xxcd", add_special=False), 3) == (target.tokenize("ecd", add_special=False), 2)
+
+
+def test_no_history_files_means_no_history(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    assert reply_history(FakeBackend(lambda ctx: np.zeros(4), 4)) is None
+
+
+# -- the policy reads match length ------------------------------------------------------------------------
+
+
+def test_match_buckets():
+    assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 23, 24, 31, 32, 90)] == \
+        [1, 1, 2, 3, 4, 4, 6, 6, 8, 8, 12, 12, 16, 16, 24, 24, 32, 32]
+
+
+def test_draft_position_i_of_an_m_token_match_continues_an_m_plus_i_match():
+    acc = LookupAcceptance()
+    for _ in range(50):
+        acc.after_miss = False
+        acc.add(2, False)  # 2-token matches inside a span: wrong
+        acc.after_miss = False
+        acc.add(30, True)  # 24-31: right
+    acc.after_miss = False
+    rates = acc.rates(2, 30)
+    assert rates[0] < 0.1  # position 0 continues the 2-token match
+    assert rates[28] > 0.9  # position 28 continues a 30-token one
+    # a verified step: drafts 0..2 accepted, draft 3 rejected, draft 4+ never reached
+    acc = LookupAcceptance()
+    acc.record(8, accepted=3, tried=6)
+    assert acc.tries[0].sum() == pytest.approx(4, rel=0.1) and acc.hits[0].sum() == pytest.approx(3, rel=0.1)
+    # the first was a fresh match (the run's first lookup); the next three followed a correct token
+    assert acc.tries[0, 1].sum() == pytest.approx(1) and acc.tries[0, 0].sum() == pytest.approx(3, rel=0.1)
+    assert acc.after_miss  # the last one checked was wrong
+
+
+def test_a_fresh_short_match_does_not_borrow_the_record_of_copied_spans():
+    acc = LookupAcceptance()
+    for _ in range(30):
+        acc.after_miss = False
+        for m in range(4, 12):
+            acc.add(m, True)  # inside spans: always right
+        acc.add(12, False)  # the span ends
+        acc.add(4, False)  # a fresh 4-token match right after: wrong
+    acc.after_miss = True
+    assert acc.rates(4, 1)[0] < 0.2
+    acc.after_miss = False
+    assert acc.rates(4, 1)[0] > 0.8
+
+
+def test_long_matches_learn_long_drafts_short_ones_do_not():
+    policy = AdaptivePolicy(GPU, kind="prompt-lookup", draft_max=64)
+    long_tokens, short_tokens = list(range(64)), list(range(64))
+    for _ in range(30):
+        n = policy.trim(long_tokens, confidence=24)
+        policy.observe(step(n, n), long_tokens, long_tokens[: n + 1])  # long matches: all accepted
+        n = policy.trim(short_tokens, confidence=1)
+        policy.observe(step(n, min(n, 1)), short_tokens, short_tokens[:2])  # 1-grams: one token at most
+    assert policy.trim(long_tokens, confidence=24) >= 32
+    assert policy.trim(short_tokens, confidence=1) <= 4
+
+
+# -- estimates kept across processes ---------------------------------------------------------------------
+
+
+def trained_policy(store):
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=store)
+    tokens = list(range(64))
+    for _ in range(40):
+        n = policy.trim(tokens, confidence=20)
+        policy.observe(step(n, n), tokens, tokens[: n + 1])
+    return policy
+
+
+def test_a_fresh_process_starts_from_what_earlier_runs_learned(tmp_path):
+    path = tmp_path / "acceptance.json"
+    tokens = list(range(64))
+    cold = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64).trim(tokens, confidence=20)
+    trained = trained_policy(AcceptanceStore(path, "target|prompt-lookup"))
+    trained.finish()
+    warm = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
+    assert warm.trim(tokens, confidence=20) > cold
+    # discounted: at most TRUST observations per bucket carry over
+    assert 0 < warm.lookup.tries.max() <= AcceptanceStore.TRUST + 1e-9
+    # another target or drafter does not see them
+    other = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "other|prompt-lookup"))
+    assert other.lookup.tries.sum() == 0
+
+
+def test_estimates_are_not_trusted_blindly(tmp_path):
+    path = tmp_path / "acceptance.json"
+    trained_policy(AcceptanceStore(path, "k")).finish()
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    tokens = list(range(64))
+    for _ in range(12):  # this conversation is different: long matches are now rejected at once
+        n = policy.trim(tokens, confidence=20)
+        policy.observe(step(n, 0), tokens, [999])
+    assert policy.trim(tokens, confidence=20) == 0
+
+
+def _table(first: int) -> bytes:
+    row = [[[0] * 10, [0] * 10], [[0] * 10, [0] * 10]]
+    row[0][0][0] = first
+    return json.dumps(row).encode()
+
+
+HITS_BAD, HITS_NEG, TRIES_ONE = _table(5), _table(-1), _table(1)  # more hits than tries; a negative count
+
+
+@pytest.mark.parametrize("content", [
+    b"\x00\xff garbage",
+    b"[1, 2, 3]",
+    b'{"version": 99, "entries": {}}',
+    b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 2, "entries": []}',
+    b'{"version": 2, "entries": {"k": {"tables": {"lookup": {"hits": [1, 2], "tries": [1, 2]}}}}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": {"hits": [[5, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], "tries": [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}}}}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": {"hits": ' + HITS_BAD + b', "tries": ' + TRIES_ONE + b'}}}}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": {"hits": ' + HITS_NEG + b', "tries": ' + TRIES_ONE + b'}}}}}',
+    b'{"version": 3, "entries": {"k": {"tables": {"lookup": "x", "model": {"hits": "NaN"}}}}}',
+    b'{"version": 3, "entries": {"k": "not a table"}}',
+    b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [1, 2], "tries": [1, 2]}}}}}',
+    b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [5, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [-1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 1, "entries": {"k": {"tables": {"banana": {}, "99,1,0": {"hits": [0], "tries": [0]}, "model": "x"}}}}',
+    b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": ["NaN", 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+])
+def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, content):
+    path = tmp_path / "acceptance.json"
+    path.write_bytes(content)
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    assert policy.lookup.tries.sum() == 0  # nothing malformed was taken in
+    tokens = list(range(16))
+    for _ in range(2):  # the second lookup is the first one kept (after an accepted one)
+        n = policy.trim(tokens, confidence=20)
+        policy.observe(step(max(n, 1), 1), tokens, tokens[:2])
+    policy.finish()
+    doc = json.loads(path.read_text())
+    assert doc["version"] == AcceptanceStore.VERSION and "k" in doc["entries"]
+    again = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    assert again.lookup.tries.sum() > 0
+
+
+def test_an_unwritable_cache_is_not_an_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    store = AcceptanceStore(blocker / "acceptance.json", "k")  # its parent is a file
+    policy = trained_policy(store)
+    policy.finish()  # no exception
+    assert store.load() == {}
+
+
+def test_engine_saves_estimates_when_a_generation_ends(tmp_path):
+    path = tmp_path / "acceptance.json"
+    wanted = [1, 2, 3, 4, 5, 6] * 6
+    target = FakeBackend(lambda ctx: np.eye(8)[wanted[len(ctx) % len(wanted)]] * 9, 8)
+    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    for _ in generate(target, PromptLookup(), wanted[:12], GREEDY, max_tokens=20, policy=policy):
+        pass
+    assert AcceptanceStore(path, "k").load()
+
+
+# -- the hybrid drafter -------------------------------------------------------------------------------------
+
+
+def hybrid_policy(verify, draft_cost, model_hits=None):
+    policy = AdaptivePolicy(verify, kind="hybrid", draft_max=16, draft_cost=draft_cost)
+    if model_hits is not None:
+        for _ in range(40):
+            policy.model_acceptance.record(int(8 * model_hits), 8)
+    return policy
+
+
+def test_hybrid_chooses_lookup_on_a_long_match_even_where_the_model_is_cheap():
+    policy = hybrid_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.9)
+    for _ in range(20):  # long matches have been accepted
+        policy.lookup.record(16, 8, 8)
+    source, k = policy.choose(match=20, n_tokens=16, limit=16)
+    assert source == "prompt-lookup" and k >= 8
+
+
+def test_hybrid_chooses_the_model_without_a_match():
+    policy = hybrid_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.8)
+    source, k = policy.choose(match=0, n_tokens=0, limit=16)
+    assert source == "draft-model" and k > 0
+    # a poor 1-token match loses to a good model too
+    for _ in range(20):
+        policy.lookup.record(1, 0, 4)
+    assert policy.choose(match=1, n_tokens=4, limit=16)[0] == "draft-model"
+
+
+def test_hybrid_drafts_nothing_when_neither_pays():
+    # a CPU: verifying costs grow fast; a model half as costly as the target; short matches rejected
+    policy = hybrid_policy(CPU, CostModel([1, 2], [0.0075, 0.015]), model_hits=0.3)
+    for _ in range(20):
+        policy.lookup.record(1, 0, 4)
+    assert policy.choose(match=1, n_tokens=4, limit=16) == ("none", 0)
+    assert policy.choose(match=0, n_tokens=0, limit=16) == ("none", 0)
+
+
+MV = 6
+_rs = np.random.default_rng(7)
+TARGET = _rs.normal(0, 1.0, (MV, MV)) + 1.5 * np.eye(MV)
+DRAFT = TARGET + _rs.normal(0, 0.8, (MV, MV))
+
+
+def test_hybrid_through_the_engine_reports_both_sources():
+    target = FakeBackend(markov_logits(TARGET), MV)
+    model, _ = make_draft_model(markov_logits(DRAFT), MV)
+    hybrid = HybridDrafter(PromptLookup(1, 32), model)
+    calls = iter(range(1000))
+    hybrid.choose = lambda match, n, limit, hist: ("prompt-lookup", n) if next(calls) % 2 and n else ("draft-model", 3)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    finished = None
+    for event in generate(target, hybrid, [1, 2, 3, 1, 2], params, max_tokens=60, policy=FixedPolicy(3)):
+        finished = event
+    assert set(finished.stats.drafted_by) == {"prompt-lookup", "draft-model"}
+    assert finished.stats.drafted == sum(finished.stats.drafted_by.values())
+
+
+def first_two_counts(make_drafter, prompt, params, n, seed):
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((MV, MV), dtype=np.int64)
+    target = FakeBackend(markov_logits(TARGET), MV)
+    drafter = make_drafter()
+    for _ in range(n):
+        target.truncate(0)
+        drafter.backend.truncate(0)
+        got = []
+        gen = generate(target, drafter, prompt, params, max_tokens=6, policy=FixedPolicy(3), rng=rng)
+        for event in gen:
+            if isinstance(event, TokenEvent):
+                got.append(event.id)
+                if len(got) == 2:
+                    break
+        gen.close()
+        counts[got[0], got[1]] += 1
+    return counts
+
+
+def expected_first_two(prompt, params):
+    from specchat.sampling import process
+
+    fn = markov_logits(TARGET)
+    p1 = np.asarray(process(np.asarray(fn(tuple(prompt))), params, prompt))
+    joint = np.zeros((MV, MV))
+    for a in range(MV):
+        ctx = [*prompt, a]
+        joint[a] = p1[a] * np.asarray(process(np.asarray(fn(tuple(ctx))), params, ctx))
+    return joint
+
+
+HYBRID_DRAWS = 20_000  # 36 joint cells: power >= 0.85 against a 3% error in one of them
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    SamplingParams(temperature=0.7, top_k=4, top_p=0.9, min_p=0.05, repeat_penalty=1.2),
+])
+def test_hybrid_is_lossless(params):
+    """Lookup (one-hot q) on some steps, the sampled draft model on others, within one generation."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+
+    def make():
+        model, _ = make_draft_model(markov_logits(DRAFT), MV)
+        hybrid = HybridDrafter(PromptLookup(1, 32), model)
+        flip = iter(range(10**9))
+        # which source drafts must not depend on the target's future: here it alternates per call
+        hybrid.choose = lambda match, n, limit, hist: ("prompt-lookup", n) if next(flip) % 2 and n else ("draft-model", 2)
+        return hybrid
+
+    expected = expected_first_two(prompt, params)
+    assert detection_power(HYBRID_DRAWS, expected, delta=0.03) >= 0.85
+    counts = first_two_counts(make, prompt, params, HYBRID_DRAWS, seed=21)
+    pvalue = chi2_pvalue(counts, expected)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}\n{counts / HYBRID_DRAWS}\n{expected}"
+
+
+def test_hybrid_check_catches_a_lookup_treated_as_sampled():
+    """Power: the same check fails when lookup's one-hot proposal is verified as if q were uniform."""
+    from specchat import drafters as drafters_module
+
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    uniform = np.full(MV, 1.0 / MV)
+
+    class WrongQ(HybridDrafter):
+        def propose(self, context, k, params, rng):
+            draft = super().propose(context, k, params, rng)
+            if draft.source == "prompt-lookup":
+                draft.q = [uniform] * len(draft.tokens)
+            return draft
+
+    def make():
+        model, _ = make_draft_model(markov_logits(DRAFT), MV)
+        hybrid = WrongQ(PromptLookup(1, 32), model)
+        hybrid.choose = lambda match, n, limit, hist: ("prompt-lookup", n) if n else ("draft-model", 2)
+        return hybrid
+
+    assert drafters_module.HybridDrafter is HybridDrafter
+    counts = first_two_counts(make, prompt, params, 3_000, seed=22)
+    assert chi2_pvalue(counts, expected_first_two(prompt, params)) < 1e-6
+
+
+def test_hybrid_default_chooser_prefers_a_match():
+    model, _ = make_draft_model(markov_logits(DRAFT), MV)
+    hybrid = HybridDrafter(PromptLookup(1, 32), model)
+    draft = hybrid.propose([1, 2, 3, 1, 2], 3, GREEDY, np.random.default_rng(0))
+    assert draft.source == "prompt-lookup" and draft.tokens == [3, 1, 2]
+    draft = hybrid.propose([1, 2, 3, 4, 5], 3, GREEDY, np.random.default_rng(0))
+    assert draft.source == "draft-model" and len(draft.tokens) == 3
+
+
+# -- the pieces wired together ------------------------------------------------------------------------------
+
+
+def test_selection_follows_the_pair_and_the_flag():
+    from specchat.config import load_config
+    from specchat.loader import select
+
+    cfg = load_config()
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False).hybrid
+    assert not select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False, hybrid=False).hybrid
+    assert select(cfg, pair="qwen-coder", target=None, draft=None, no_spec=False, hybrid=True).hybrid
+    # -md prompt-lookup leaves nothing to fall back on; --no-spec leaves no drafter at all
+    assert not select(cfg, pair="qwen-coder-hybrid", target=None, draft="prompt-lookup", no_spec=False).hybrid
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=True) .draft is None
+
+
+@pytest.mark.real
+def test_hybrid_pair_runs_and_says_which_source_drafted(tmp_path):
+    """SmolLM2 drafting for itself as a hybrid, on text that repeats: the label names both sources, the
+    stats count drafted tokens per source, and a second process finds the saved estimates."""
+    from test_cli import specchat
+
+    text = "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."
+    args = ("prompt", text, "-m", "smollm2-135m", "-md", "smollm2-135m", "--hybrid", "--json", "--temp", "0", "-n", "48")
+    result = specchat(*args, home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["drafter"] == "prompt-lookup + smollm2-135m"
+    by = doc["stats"]["drafted_by"]
+    assert sum(by.values()) == doc["stats"]["drafted"] and set(by) <= {"prompt-lookup", "draft-model", "history"}
+    saved = json.loads((tmp_path / ".cache" / "acceptance.json").read_text())
+    assert any("prompt-lookup + smollm2-135m" in e["label"] for e in saved["entries"].values())
