@@ -405,3 +405,18 @@ def draws_for(probs: np.ndarray, delta: float = DELTA, power: float = POWER) -> 
         n += 5_000
         assert n <= 400_000, "distribution needs too many draws for a unit test"
     return n
+
+
+def first_two_emitted(gen) -> tuple[int, int]:
+    """The first two tokens a `generate` run emits; the generator is closed after them (its cache
+    bookkeeping runs as it would for a consumer that stops there)."""
+    from specchat.engine import TokenEvent
+
+    got = []
+    for event in gen:
+        if isinstance(event, TokenEvent):
+            got.append(event.id)
+            if len(got) == 2:
+                break
+    gen.close()
+    return got[0], got[1]

@@ -15,10 +15,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fakes import ALPHA, FakeBackend, chi2_pvalue, detection_power, draws_for
+from fakes import ALPHA, FakeBackend, chi2_pvalue, detection_power, draws_for, first_two_emitted
 from specchat import crossvocab
 from specchat.crossvocab import CrossVocabDrafter, restrict_to_shared
-from specchat.engine import Finished, TokenEvent, generate
+from specchat.engine import Finished, generate
 from specchat.policy import FixedPolicy
 from specchat.sampling import Dist, SamplingParams, process
 
@@ -201,13 +201,7 @@ def first_two(target, drafter, ids, params, k, n, seed) -> tuple[np.ndarray, np.
     c1, c2 = np.zeros(TV, dtype=np.int64), np.zeros(TV, dtype=np.int64)
     for _ in range(n):
         gen = generate(target, drafter, ids, params, max_tokens=k + 2, policy=FixedPolicy(k), rng=rng)
-        got = []
-        for event in gen:
-            if isinstance(event, TokenEvent):
-                got.append(event.id)
-                if len(got) == 2:
-                    break
-        gen.close()
+        got = first_two_emitted(gen)
         c1[got[0]] += 1
         c2[got[1]] += 1
     return c1, c2

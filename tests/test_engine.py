@@ -20,6 +20,7 @@ from fakes import (
     byte_vocab,
     chi2_pvalue,
     detection_power,
+    first_two_emitted,
     make_draft_model,
     markov_logits,
     script_logits,
@@ -645,13 +646,7 @@ def engine_first_two(target, drafter, prompt, params, k: int, n: int, seed: int)
     counts = np.zeros((EV, EV), dtype=np.int64)
     for _ in range(n):
         gen = generate(target, drafter, prompt, params, max_tokens=8, policy=FixedPolicy(k), rng=rng)
-        got = []
-        for event in gen:
-            if isinstance(event, TokenEvent):
-                got.append(event.id)
-                if len(got) == 2:
-                    break
-        gen.close()
+        got = first_two_emitted(gen)
         counts[got[0], got[1]] += 1
     return counts
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specchat.drafters import HybridDrafter, NgramHistory, PromptLookup, longest_match
-from specchat.engine import TokenEvent, generate
+from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
 from specchat.policy import (
     AcceptanceStore,
@@ -23,7 +23,7 @@ from specchat.policy import (
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
 
-from fakes import ALPHA, FakeBackend, chi2_pvalue, detection_power, make_draft_model, markov_logits
+from fakes import ALPHA, FakeBackend, chi2_pvalue, detection_power, first_two_emitted, make_draft_model, markov_logits
 
 CPU = CostModel([1, 2, 4, 8, 16, 32, 64], [0.015, 0.025, 0.038, 0.069, 0.101, 0.19, 0.37])
 GPU = CostModel([1, 2, 4, 8, 16, 32, 64], [0.020, 0.0202, 0.0205, 0.021, 0.022, 0.024, 0.028])
@@ -331,14 +331,7 @@ def first_two_counts(make_drafter, prompt, params, n, seed):
     for _ in range(n):
         target.truncate(0)
         drafter.backend.truncate(0)
-        got = []
-        gen = generate(target, drafter, prompt, params, max_tokens=6, policy=FixedPolicy(3), rng=rng)
-        for event in gen:
-            if isinstance(event, TokenEvent):
-                got.append(event.id)
-                if len(got) == 2:
-                    break
-        gen.close()
+        got = first_two_emitted(generate(target, drafter, prompt, params, max_tokens=6, policy=FixedPolicy(3), rng=rng))
         counts[got[0], got[1]] += 1
     return counts
 
