@@ -29,11 +29,17 @@ def rpc_server_command(
     It serves one client at a time and runs until Ctrl-C or SIGTERM. Loopback unless --host says otherwise;
     the protocol has no authentication, so only ever listen on a network you trust.
     """
+    from . import ui
     from .loader import default_threads
     from .paths import cache_dir
 
+    err = ui.make_console(stderr=True)
+
+    def say(text: str, style: str = "") -> None:
+        err.print(text, style=style, markup=False, soft_wrap=True)
+
     if host not in ("127.0.0.1", "localhost", "::1"):
-        print(WARNING.format(host=host), file=sys.stderr, flush=True)
+        say(WARNING.format(host=host), "bold red")
     check_port_free(host, port)
     folder = None
     if cache:
@@ -55,8 +61,8 @@ def rpc_server_command(
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         thread = start_server_thread(endpoint, folder, n_threads)
-        print(f"specchat rpc-server listening on {endpoint} · {len(devices)} device(s) · {n_threads} threads"
-              + (f" · cache {folder}" if folder else "") + " · Ctrl-C stops", file=sys.stderr, flush=True)
+        say(f"specchat rpc-server listening on {endpoint} · {len(devices)} device(s) · {n_threads} threads"
+            + (f" · cache {folder}" if folder else "") + " · Ctrl-C stops")
         while not stop:
             thread.join(0.2)
             if not thread.is_alive():
@@ -64,7 +70,8 @@ def rpc_server_command(
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    print("specchat rpc-server: stopped", file=sys.stderr, flush=True)
+    say("specchat rpc-server: stopped")
     sys.stdout.flush()
+    sys.stderr.flush()
     # the server thread sits in accept()/recv() inside C and cannot be unwound: end the process here
     os._exit(0)
