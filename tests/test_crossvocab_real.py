@@ -7,12 +7,10 @@ tolerance of the target's best logit at its position, evaluated in one fresh bat
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
 
-from specchat import chat, ui
 from specchat.backend import LlamaCppBackend, check_compatible
 from specchat.config import load_config
 from specchat.crossvocab import CrossVocabDrafter
@@ -21,7 +19,9 @@ from specchat.runner import RunOptions
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
 from test_cli import specchat
-from test_real import GREEDY, TOLERANCE, prompt_ids_for, run, teacher_forced_gaps
+from test_real import (
+    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, teacher_forced_gaps,
+)
 
 pytestmark = pytest.mark.real
 
@@ -102,20 +102,9 @@ def test_a_two_turn_chat_reuses_the_drafts_cache(tmp_path):
         assert isinstance(loaded.drafter, CrossVocabDrafter)
         run_opts = RunOptions(Selection("gemma-3-270m", DRAFT), LoadOptions(n_ctx=1024), SamplingParams(temperature=0.0),
                               4, 4, 16)
-        session = chat.ChatSession(
-            loaded, run_opts, console=ui.make_console(file=io.StringIO()), info=ui.make_console(file=io.StringIO()),
-            out=io.StringIO(), transcript=chat.Transcript(tmp_path / "t.jsonl"), live=False,
-        )
+        session = quiet_chat_session(loaded, run_opts, tmp_path / "t.jsonl")
         drafter = loaded.drafter
-        prefilled = []
-        real_prefill = drafter.prefill
-
-        def counting_prefill(ids):
-            before = drafter.backend.evaluated
-            real_prefill(ids)
-            prefilled.append(drafter.backend.evaluated - before)
-
-        drafter.prefill = counting_prefill
+        prefilled = count_draft_prefills(drafter)
         session.handle("Name three colours, then say why you chose them.")
         session.handle("Now name three animals.")
         first, second = session.turn_log

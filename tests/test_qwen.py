@@ -7,12 +7,10 @@ slightly, so plain and speculative greedy output may diverge at near-ties).
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
 
-from specchat import chat, ui
 from specchat.backend import LlamaCppBackend, check_compatible
 from specchat.config import load_config
 from specchat.drafters import DraftModel
@@ -21,7 +19,9 @@ from specchat.policy import AdaptivePolicy, make_policy
 from specchat.runner import RunOptions
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
-from test_real import GREEDY, TOLERANCE, prompt_ids_for, run, teacher_forced_gaps
+from test_real import (
+    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, teacher_forced_gaps,
+)
 
 pytestmark = pytest.mark.real
 
@@ -120,20 +120,9 @@ def test_a_two_turn_chat_evaluates_only_the_new_tokens_on_both_models(tmp_path):
         # a fixed k: on this CPU the adaptive policy would not run the draft at all
         run_opts = RunOptions(Selection(TARGET, DRAFT), LoadOptions(n_ctx=1024), SamplingParams(temperature=0.0),
                               4, 4, 24)
-        session = chat.ChatSession(
-            loaded, run_opts, console=ui.make_console(file=io.StringIO()), info=ui.make_console(file=io.StringIO()),
-            out=io.StringIO(), transcript=chat.Transcript(tmp_path / "t.jsonl"), live=False,
-        )
+        session = quiet_chat_session(loaded, run_opts, tmp_path / "t.jsonl")
         drafter = loaded.drafter
-        prefilled = []
-        real_prefill = drafter.prefill
-
-        def counting_prefill(ids):
-            before = drafter.backend.evaluated
-            real_prefill(ids)
-            prefilled.append(drafter.backend.evaluated - before)
-
-        drafter.prefill = counting_prefill
+        prefilled = count_draft_prefills(drafter)
         session.handle("Write a one-line Python expression that reverses a string s.")
         held = session.conversation.ids
         session.handle("Now do the same for a list.")

@@ -164,3 +164,29 @@ def test_gemma_target_refuses_smollm2_draft():
     finally:
         gemma.close()
         smol.close()
+
+
+def quiet_chat_session(loaded, run_opts, transcript_path):
+    """A ChatSession writing to string buffers (no terminal), for driving turns from a test."""
+    import io
+
+    from specchat import chat, ui
+
+    return chat.ChatSession(
+        loaded, run_opts, console=ui.make_console(file=io.StringIO()), info=ui.make_console(file=io.StringIO()),
+        out=io.StringIO(), transcript=chat.Transcript(transcript_path), live=False,
+    )
+
+
+def count_draft_prefills(drafter) -> list[int]:
+    """Wrap drafter.prefill to record how many tokens each call evaluated on the draft's backend."""
+    prefilled: list[int] = []
+    real_prefill = drafter.prefill
+
+    def counting_prefill(ids):
+        before = drafter.backend.evaluated
+        real_prefill(ids)
+        prefilled.append(drafter.backend.evaluated - before)
+
+    drafter.prefill = counting_prefill
+    return prefilled
