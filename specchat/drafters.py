@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from .backend import Backend, BackendError, check_compatible, sync
-from .sampling import Dist, SamplingParams, draft_confidence, greedy_token, process, sample
+from .sampling import Dist, SamplingParams, draft_step, greedy_token, process, sample
 
 
 @dataclass
@@ -78,13 +78,15 @@ class DraftModel:
         history = list(context) if params.has_penalty else ()
         confidence = 1.0
         for i in range(k):
-            if params.greedy:
-                token, q = greedy_token(row, params, history), None
+            if self.p_min > 0:  # the token and llama.cpp's confidence from one pass over the row
+                token, q, top = draft_step(row, params, history)
+            elif params.greedy:
+                token, q, top = greedy_token(row, params, history), None, 1.0
             else:
-                q = process(row, params, history)
+                token, q, top = None, process(row, params, history), 1.0
+            if q is not None:
                 token = sample(q, rng)
             # llama.cpp's --spec-draft-p-min: stop before a token the draft itself is unsure of
-            top = draft_confidence(row) if self.p_min > 0 else 1.0
             if top < self.p_min:
                 break
             confidence = min(confidence, top)

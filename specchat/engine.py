@@ -19,7 +19,9 @@ from .backend import Backend, BackendError, sync
 from .detok import Detokenizer, StopMatcher
 from .drafters import Draft, Drafter
 from .policy import FixedPolicy, Policy
-from .sampling import SamplingParams, greedy_token, lazy_rows, process, verify, verify_greedy
+from .sampling import (
+    SamplingParams, greedy_rows, greedy_token, lazy_rows, process, process_rows, verify, verify_greedy,
+)
 from .stats import RunStats, StepStats
 
 Source = Literal["accepted", "resampled", "bonus", "target"]
@@ -136,11 +138,14 @@ def generate(
             # p_i is conditioned on context + d<i: penalties must see the drafts before position i
             # (the history list is built only when a penalty will read it: this is the per-token path)
             history = (lambda i: context + drafts[:i]) if params.has_penalty else (lambda i: ())
+            # row 0 alone (k = 0, or a rejection at the first draft, needs no more), then the rest at once
             if params.greedy:
-                argmax = lazy_rows(len(rows), lambda i: greedy_token(rows[i], params, history(i)))
+                argmax = lazy_rows(len(rows), lambda i: greedy_token(rows[i], params, history(i)),
+                                   lambda start: greedy_rows(rows, params, history, start))
                 n_accepted, next_token = verify_greedy(argmax, drafts)
             else:
-                p = lazy_rows(len(rows), lambda i: process(rows[i], params, history(i)))
+                p = lazy_rows(len(rows), lambda i: process(rows[i], params, history(i)),
+                              lambda start: process_rows(rows, params, history, start))
                 n_accepted, next_token = verify(p, q, drafts, rng)
             # the cache holds context[:-1] + [context[-1]] + drafts: keep through the accepted ones
             target.truncate(len(context) + n_accepted)

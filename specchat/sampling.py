@@ -7,9 +7,12 @@ model (q) alike, so both sides of the rule see the same temperature, truncation 
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 import numpy as np
 
@@ -78,12 +81,25 @@ class Dist:
     `np.asarray(dist)` is the dense vector, for tests and for callers that want one.
     """
 
-    __slots__ = ("ids", "probs", "n_vocab")
+    __slots__ = ("ids", "probs", "n_vocab", "_lists")
 
-    def __init__(self, ids: np.ndarray | None, probs: np.ndarray, n_vocab: int):
+    def __init__(self, ids: np.ndarray | None, probs: np.ndarray, n_vocab: int, lists=None):
         self.ids = ids
         self.probs = probs
         self.n_vocab = n_vocab
+        self._lists = lists  # (ids, probs) as Python lists, when the support is small
+
+    @classmethod
+    def of_lists(cls, ids: list[int], probs: list[float], n_vocab: int) -> Dist:
+        return cls(np.array(ids, dtype=np.int64), np.array(probs), n_vocab, (ids, probs))
+
+    def lists(self) -> tuple[list[int], list[float]]:
+        """The support as Python lists. Right after a decode the CPU caches hold model weights and
+        every numpy call on a small array costs ~10 us; a loop over a few dozen floats costs less."""
+        if self._lists is None:
+            ids = range(self.n_vocab) if self.ids is None else self.ids.tolist()
+            self._lists = (ids, self.probs.tolist())
+        return self._lists
 
     @classmethod
     def single(cls, token: int, n_vocab: int) -> Dist:
@@ -101,6 +117,9 @@ class Dist:
     def prob(self, token: int) -> float:
         if self.ids is None:
             return float(self.probs[token])
+        if self._lists is not None:
+            ids, probs = self._lists
+            return probs[ids.index(token)] if token in ids else 0.0
         hit = np.flatnonzero(self.ids == token)
         return float(self.probs[hit[0]]) if len(hit) else 0.0
 
@@ -181,11 +200,12 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequenc
     return out
 
 
+SMALL = 256  # supports up to this size are sampled with Python lists (see Dist.lists)
 GROUPS = 32  # top_k_ids splits the vocabulary into this many interleaved slices
 
 
 def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the k largest logits (any order), in about one pass over the row.
+    """Ids of the k largest logits (any order; among equal logits the lowest ids), in about one pass.
 
     A partition of a 152k-262k vocabulary costs milliseconds. Instead view the row as GROUPS slices
     (row j of logits.reshape(GROUPS, -1)) and take the element-wise maximum across them: one vectorised
@@ -194,8 +214,12 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     those lie only in columns whose max is >= T: usually about k columns of GROUPS logits each."""
     n = logits.shape[0]
     width = n // GROUPS
-    if k >= n or width < 2 * k:
-        return np.argpartition(logits, n - k)[n - k :] if k < n else np.arange(n)
+    if k >= n:
+        return np.arange(n)
+    if width < 2 * k:
+        bound = np.partition(logits, n - k)[n - k]
+        ids = np.flatnonzero(logits >= bound)
+        return _best(ids, logits[ids], k)
     column_max = logits[: GROUPS * width].reshape(GROUPS, width).max(axis=0)
     bound = np.partition(column_max, width - k)[width - k]
     columns = np.flatnonzero(column_max >= bound)
@@ -203,9 +227,15 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     if GROUPS * width < n:  # the few ids past the last whole slice
         ids = np.concatenate([ids, np.arange(GROUPS * width, n)])
     ids = ids[logits[ids] >= bound]
+    return _best(ids, logits[ids], k)
+
+
+def _best(ids: np.ndarray, z: np.ndarray, k: int) -> np.ndarray:
+    """The k best of candidates holding every logit >= the k-th largest: by falling logit, then lowest
+    id, so that ties at the boundary always keep the same tokens."""
     if len(ids) <= k:
         return ids
-    return ids[np.argpartition(logits[ids], len(ids) - k)[len(ids) - k :]]
+    return ids[np.lexsort((ids, -z))[:k]]
 
 
 def _top_candidates(
@@ -255,6 +285,70 @@ def draft_confidence(logits: np.ndarray) -> float:
     return float(1.0 / np.exp(z - z.max()).sum())
 
 
+CONFIDENCE_K = 10  # draft_confidence's top-k
+
+
+def _confidence(z_sorted: list[float]) -> float:
+    """draft_confidence from raw logits already sorted falling (at least CONFIDENCE_K of them)."""
+    top = z_sorted[0]
+    return 1.0 / sum(math.exp(v - top) for v in z_sorted[:CONFIDENCE_K])
+
+
+def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> tuple[int | None, Dist | None, float]:
+    """What a draft model needs of one row: (greedy token or None, q or None, draft_confidence), from
+    one pass over the row where the sampler allows it (no penalties or bans: the raw top candidates
+    are the sampler's). Greedy returns (token, None, confidence); sampled returns (None, q, confidence)."""
+    n = logits.shape[0]
+    plain = not params.has_penalty and not params.banned and n > CONFIDENCE_K
+    if params.greedy:
+        if plain:
+            ids = top_k_ids(logits, CONFIDENCE_K)
+            z = logits[ids].tolist()
+            top = max(z)
+            tied = [i for i, v in zip(ids.tolist(), z) if v == top]
+            if len(tied) < CONFIDENCE_K:  # every token at the max is here: lowest id, like np.argmax
+                return min(tied), None, _confidence(sorted(z, reverse=True))
+        return greedy_token(logits, params, history), None, draft_confidence(logits)
+    if plain and CONFIDENCE_K <= params.top_k < n:
+        ids = top_k_ids(logits, params.top_k)
+        ids, z = _sorted(ids.tolist(), logits[ids].tolist())
+        return None, _truncate(ids, z, params, n), _confidence(z)
+    return None, process(logits, params, history), draft_confidence(logits)
+
+
+def _sorted(ids: list[int], z: list[float]) -> tuple[list[int], list[float]]:
+    """Candidates by falling logit, then lowest id (the order top-p keeps a prefix of)."""
+    pairs = sorted(zip([-v for v in z], ids))
+    return [t for _, t in pairs], [-v for v, _ in pairs]
+
+
+def _truncate(ids: list[int], z: list[float], params: SamplingParams, n_vocab: int) -> Dist:
+    """top-p, min-p and temperature over candidates sorted by falling logit, in plain Python: a few
+    dozen floats, where each numpy call would cost more than the loop (see Dist.lists)."""
+    top = z[0]
+    exp = math.exp
+    keep = len(z)
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        base = [exp(v - top) for v in z]
+        norm = sum(base)
+        base = [b / norm for b in base]
+        if params.top_p < 1.0:
+            # smallest prefix whose mass reaches top_p (at least one token)
+            mass = 0.0
+            for j, b in enumerate(base):
+                mass += b
+                if mass >= params.top_p:
+                    keep = j + 1
+                    break
+        if params.min_p > 0.0:
+            floor = params.min_p * base[0]
+            keep = min(keep, max(1, sum(1 for b in base if b >= floor)))
+    scale = 1.0 / params.temperature
+    w = [exp((v - top) * scale) for v in z[:keep]]
+    norm = sum(w)
+    return Dist.of_lists(ids[:keep], [x / norm for x in w], n_vocab)
+
+
 def _head(full: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, float]:
     """Whole-vocabulary truncation without sorting the whole vocabulary: (ids sorted by falling logit,
     their logits, sum of exp(z - max) over ALL tokens). The ids hold every token top-p / min-p can keep:
@@ -293,11 +387,8 @@ def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) 
     total = None
     if 0 < params.top_k < n_vocab:
         ids, z = _top_candidates(logits, params, changed, params.top_k)
-        if len(ids) > params.top_k:
-            best = np.argpartition(-z, params.top_k - 1)[: params.top_k]
-            ids, z = ids[best], z[best]
-        order = np.argsort(-z, kind="stable")
-        ids, z = ids[order], z[order]
+        ids, z = _sorted(ids.tolist(), z.tolist())
+        return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
     else:
         full = logits.astype(np.float64)
         if changed is not None:
@@ -330,6 +421,14 @@ def one_hot(token: int, n_vocab: int) -> Dist:
 def sample(p: Dist | np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token from p (a Dist, or a dense probability vector)."""
     p = Dist.of(p)
+    if p.ids is not None and len(p.ids) <= SMALL:
+        # the same draw as below (accumulate adds in cumsum's order), without numpy calls
+        ids, probs = p.lists()
+        cdf = list(accumulate(probs))
+        i = bisect.bisect_right(cdf, rng.random() * cdf[-1])
+        if i >= len(cdf):
+            i = max(j for j, x in enumerate(probs) if x > 0)
+        return ids[i]
     cdf = np.cumsum(p.probs)
     i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     if i >= len(cdf):  # u * total rounded up to total: the last token with mass
@@ -387,15 +486,20 @@ def verify_greedy(target_argmax: Sequence[int] | _Lazy, drafts: Sequence[int]) -
 
 
 class _Lazy:
-    """Row i computed on first access: at a rejection the later positions are never processed."""
+    """Row i computed on first access: at a rejection the later positions are never processed. With
+    `make_rest`, row 0 is made alone and rows 1.. together, the first time one of them is needed."""
 
-    def __init__(self, n: int, make):
+    def __init__(self, n: int, make, make_rest=None):
         self._rows: list = [None] * n
         self._make = make
+        self._make_rest = make_rest
 
     def __getitem__(self, i: int):
         row = self._rows[i]
         if row is None:
+            if i > 0 and self._make_rest is not None:
+                self._rows[1:] = self._make_rest(1)
+                return self._rows[i]
             row = self._rows[i] = self._make(i)
         return row
 
@@ -403,5 +507,67 @@ class _Lazy:
         return len(self._rows)
 
 
-def lazy_rows(n: int, make) -> _Lazy:
-    return _Lazy(n, make)
+def lazy_rows(n: int, make, make_rest=None) -> _Lazy:
+    return _Lazy(n, make, make_rest)
+
+
+def _batchable(rows: np.ndarray, k: int) -> bool:
+    m, n = rows.shape
+    return m > 1 and n % GROUPS == 0 and n // GROUPS >= 2 * k and rows.flags.c_contiguous
+
+
+def top_k_rows(rows: np.ndarray, k: int) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+    """(ids, logits, exact) of the k largest entries of each row of an (m, n) array, n a multiple of
+    GROUPS, in one set of numpy calls for all rows (each call costs ~10 us after a decode, whatever its
+    size). top_k_ids' bound per row: of the k columns with the largest maxima, the top k lie in those
+    columns (the others' maxima are at most the k-th largest column max, itself at most the k-th
+    largest entry). exact[i] is False when row i has ties at the k-th value, where the choice among
+    them must be top_k_ids' (lowest ids): the caller redoes that row."""
+    m, n = rows.shape
+    width = n // GROUPS
+    grid = rows.reshape(m, GROUPS, width)
+    column_max = grid.max(axis=1)  # (m, width)
+    cols = np.argpartition(column_max, width - k, axis=1)[:, width - k :]  # (m, k)
+    vals = np.take_along_axis(grid, cols[:, None, :], axis=2).reshape(m, GROUPS * k)
+    sel = np.argpartition(vals, GROUPS * k - k, axis=1)[:, GROUPS * k - k :]  # (m, k) into vals
+    z = np.take_along_axis(vals, sel, axis=1)
+    ids = np.take_along_axis(cols, sel % k, axis=1) + width * (sel // k)
+    # no other entry equals the k-th value: none among the chosen columns, none in another column
+    kth = z.min(axis=1)[:, None]
+    exact = ((vals >= kth).sum(axis=1) == k) & ((column_max >= kth).sum(axis=1) <= k)
+    return ids.tolist(), z.tolist(), exact.tolist()
+
+
+def process_rows(rows: np.ndarray, params: SamplingParams, history, start: int = 0) -> list[Dist]:
+    """[process(rows[i], params, history(i)) for i >= start], batched where the sampler allows it
+    (top-k, no penalties: every row's candidates are its raw top entries)."""
+    rest = rows[start:]
+    n = rows.shape[1]
+    banned = params.banned_set
+    k = params.top_k + len(banned)
+    if params.greedy or params.has_penalty or not 0 < params.top_k < n or not _batchable(rest, k):
+        return [process(rows[i], params, history(i)) for i in range(start, len(rows))]
+    out = []
+    for i, (ids, z, exact) in enumerate(zip(*top_k_rows(rest, k))):
+        if not exact:
+            out.append(process(rows[start + i], params, ()))
+            continue
+        ids, z = _sorted(ids, z)
+        if banned:
+            kept = [j for j, t in enumerate(ids) if t not in banned]
+            if len(kept) < params.top_k:  # too few tokens left: the general path
+                out.append(process(rows[start + i], params, ()))
+                continue
+            ids, z = [ids[j] for j in kept], [z[j] for j in kept]
+        out.append(_truncate(ids[: params.top_k], z[: params.top_k], params, n))
+    return out
+
+
+def greedy_rows(rows: np.ndarray, params: SamplingParams, history, start: int = 0) -> list[int]:
+    """[greedy_token(rows[i], params, history(i)) for i >= start], one argmax call for all rows when
+    no penalty applies."""
+    if params.has_penalty or len(rows) - start < 2:
+        return [greedy_token(rows[i], params, history(i)) for i in range(start, len(rows))]
+    banned = params.banned_set
+    best = rows[start:].argmax(axis=1).tolist()
+    return [t if t not in banned else greedy_token(rows[start + i], params, ()) for i, t in enumerate(best)]

@@ -49,7 +49,7 @@ def dense_process(logits: np.ndarray, params: SamplingParams, history: Sequence[
     else:
         ids = np.arange(n_vocab)
     z = logits[ids].astype(np.float64)
-    order = np.argsort(-z, kind="stable")
+    order = np.lexsort((ids, -z))  # falling logit, then lowest id
     ids, z = ids[order], z[order]
     if params.top_p < 1.0 or params.min_p > 0.0:
         base = np.exp(z - z[0])

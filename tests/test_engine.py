@@ -31,7 +31,7 @@ from specchat.backend import BackendError
 from specchat.drafters import Draft, PromptLookup
 from specchat.engine import Finished, PromptTooLong, StepEvent, TokenEvent, generate
 from specchat.policy import FixedPolicy
-from specchat.sampling import SamplingParams, apply_penalties, draft_confidence, process
+from specchat.sampling import SamplingParams, apply_penalties, draft_confidence, process, process_rows
 
 V = 12
 EOG = 11
@@ -701,6 +701,8 @@ def test_engine_power_penalty_history_without_drafts(monkeypatch):
     target, drafter = _penalty_engine_setup()
     spy = ContextSpy(drafter)
     monkeypatch.setattr(engine, "process", lambda logits, params, history: process(logits, params, history[: spy.n]))
+    monkeypatch.setattr(engine, "process_rows", lambda rows, params, history, start: process_rows(
+        rows, params, lambda i: history(i)[: spy.n], start))
     expected = expected_first_two(markov_logits(ENGINE_TARGET), PENALTY_PROMPT, PENALTY_PARAMS)
     counts = engine_first_two(target, spy, PENALTY_PROMPT, PENALTY_PARAMS, k=2, n=2_000, seed=12)
     assert chi2_pvalue(counts, expected) < 1e-12

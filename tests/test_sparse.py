@@ -18,9 +18,12 @@ from specchat.sampling import (
     SamplingParams,
     apply_penalties,
     draft_confidence,
+    draft_step,
+    greedy_rows,
     greedy_token,
     one_hot,
     process,
+    process_rows,
     residual,
     sample,
 )
@@ -128,6 +131,74 @@ def test_draft_confidence_is_llama_cpps_top10_probability():
     z = BIG[np.argsort(-BIG)[:10]].astype(np.float64)
     assert draft_confidence(BIG) == pytest.approx(1.0 / np.exp(z - z[0]).sum(), rel=1e-12)
     assert draft_confidence(np.array([0.0, 10.0, 0.0])) == pytest.approx(1 / (1 + 2 * np.exp(-10.0)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", list(BIG_SETTINGS))
+def test_draft_step_is_process_and_draft_confidence_in_one_pass(name, temperature):
+    """The draft model's per-row work: the same q (or greedy token) and confidence as the two calls."""
+    params = SamplingParams(temperature=temperature, **BIG_SETTINGS[name])
+    for logits in (BIG, np.roll(BIG, 7), np.sort(BIG)):
+        for history in (BIG_HISTORY, []):
+            token, q, confidence = draft_step(logits, params, history)
+            assert confidence == pytest.approx(draft_confidence(logits), rel=1e-12)
+            if params.greedy:
+                assert q is None and token == greedy_token(logits, params, history)
+            else:
+                assert token is None
+                assert_same(q, dense_process(logits, params, history))
+
+
+def test_draft_step_greedy_ties_take_the_lowest_id():
+    logits = np.zeros(64, dtype=np.float32)
+    logits[[40, 9, 30]] = 5.0  # three tied at the top: the lowest id, as np.argmax
+    assert draft_step(logits, SamplingParams(temperature=0.0), [])[0] == 9
+    logits[:] = 1.0  # more ties than the ten candidates hold
+    assert draft_step(logits, SamplingParams(temperature=0.0), [])[0] == 0
+
+
+def test_sampling_a_small_support_is_the_cumulative_sum_draw():
+    """The list-based draw for small supports is the cumulative-sum draw over the support's order,
+    token for token, for the same generator state."""
+    p = process(BIG, SamplingParams(temperature=1.3), [])
+    assert p.ids is not None and 1 < len(p.ids) <= 40
+
+    def numpy_draw(rng):
+        cdf = np.cumsum(p.probs)
+        return int(p.ids[np.searchsorted(cdf, rng.random() * cdf[-1], side="right")])
+
+    rng_a, rng_b = np.random.default_rng(5), np.random.default_rng(5)
+    assert [sample(p, rng_a) for _ in range(2000)] == [numpy_draw(rng_b) for _ in range(2000)]
+
+
+# a verify batch as llama.cpp returns it: float32 rows over a vocabulary that splits into GROUPS slices
+BATCH = RNG.normal(0, 3, (5, 49_152)).astype(np.float32)
+BATCH[2, 100:140] = BATCH[2].max() + 1.0  # 40 tied favourites: the candidates lie in few columns
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", list(BIG_SETTINGS))
+def test_rows_of_a_verify_batch_are_processed_as_one_by_one(name, temperature):
+    params = SamplingParams(temperature=temperature, **{
+        key: ([int(np.argmax(BATCH[1])), 7] if key == "banned" else value) for key, value in BIG_SETTINGS[name].items()})
+    params = SamplingParams(**{**params.__dict__, "banned": tuple(params.banned)})
+    history = lambda i: BIG_HISTORY[:50] + list(range(i))  # noqa: E731  (as the engine: context + d<i)
+    for start in (0, 1):
+        if params.greedy:
+            want = [int(np.argmax(dense_apply_penalties(BATCH[i], params, history(i)))) for i in range(start, 5)]
+            assert greedy_rows(BATCH, params, history, start) == want
+        else:
+            got = process_rows(BATCH, params, history, start)
+            assert len(got) == 5 - start
+            for i, dist in enumerate(got, start):
+                assert_same(dist, dense_process(BATCH[i], params, history(i)))
+
+
+def test_ties_at_the_top_k_boundary_keep_the_lowest_ids_in_both_paths():
+    params = SamplingParams(temperature=0.8, top_k=3, top_p=1.0, min_p=0.0)
+    single = process(BATCH[2], params, [])
+    assert sorted(single.ids.tolist()) == [100, 101, 102]  # 40 tied at the top: the three lowest ids
+    assert process_rows(BATCH, params, lambda i: [], 1)[1].ids.tolist() == single.ids.tolist()
 
 
 def test_fake_backend_poisons_rows_lent_in_place():
