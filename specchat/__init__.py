@@ -10,10 +10,15 @@
                                    max_tokens=64, policy=pair.policy()):
         if isinstance(event, specchat.TokenEvent):           # event.source: accepted|resampled|bonus|target
             sys.stdout.write(event.text)
+
+    chat = specchat.Conversation(pair.target, pair.drafter, policy=pair.policy())   # KV kept across turns
+    for event in chat.send("Name three rivers."): ...
+    for event in chat.send("Which is the longest?"): ...                          # evaluates only this turn
 """
 
 from __future__ import annotations
 
+from .conversation import Conversation
 from .engine import Finished, StepEvent, TokenEvent, generate
 from .loader import Loaded, LoadOptions, Selection, load, select
 from .sampling import SamplingParams
@@ -22,7 +27,7 @@ from .stats import RunStats, StepStats
 __version__ = "0.1.0"
 
 __all__ = [
-    "Finished", "LoadOptions", "Loaded", "RunStats", "SamplingParams", "Selection", "StepEvent", "StepStats",
+    "Conversation", "Finished", "LoadOptions", "Loaded", "RunStats", "SamplingParams", "Selection", "StepEvent", "StepStats",
     "TokenEvent", "generate", "load", "load_pair",
 ]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -41,13 +41,21 @@ class VocabInfo:
     token_text: object = field(repr=False, compare=False)  # Callable[[int], bytes]
 
 
+@runtime_checkable
 class Backend(Protocol):
+    """What the engine, drafters, policy, chat and report use of a model. `tests/fakes.FakeBackend`
+    implements it over a pure function; `LlamaCppBackend` over llama.cpp."""
+
     n_vocab: int
     n_ctx: int
     tokens: list[int]  # what the KV cache holds, in order
     evaluated: int  # tokens evaluated since load (tests count KV reuse with it)
     rollback_recoveries: int
     name: str
+    path: Path | None  # the model file (None for a model with no file): the policy's cost cache key
+    n_threads: int  # as the model runs (the cost cache key: costs depend on them)
+    n_gpu_layers: int | None
+    rpc: tuple[str, ...]  # RPC workers holding some layers; () = this machine
 
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
         """Append `tokens` to the cache; return float32 rows (len(logits_at), n_vocab), one per index
@@ -64,9 +72,6 @@ class Backend(Protocol):
 
     def eog_tokens(self) -> tuple[int, ...]:
         """Every end-of-generation id (EOS, EOT, <|im_end|>...), for --ignore-eos."""
-        if not hasattr(self, "_eog_ids"):
-            self._eog_ids = tuple(t for t in range(self.n_vocab) if self._lib.llama_vocab_is_eog(self._vocab_p, t))
-        return self._eog_ids
 
     def is_eog(self, token: int) -> bool: ...
 
@@ -75,6 +80,20 @@ class Backend(Protocol):
 
     @property
     def chat_template(self) -> str | None: ...
+
+    @property
+    def bos_text(self) -> str:
+        """The BOS token's text, for chat templates that write it ("" when there is none)."""
+
+    @property
+    def eos_text(self) -> str: ...
+
+    @property
+    def placement(self) -> str | None:
+        """Where the layers are, when some are on RPC workers (None for an ordinary local load)."""
+
+    def close(self) -> None:
+        """Free the model and its context."""
 
 
 def sync(backend: Backend, tokens: Sequence[int], logits_last: bool) -> np.ndarray | None:
@@ -116,6 +135,77 @@ def check_gguf_file(path: Path) -> None:
         raise BackendError(f"not a GGUF file (no GGUF header): {path}")
     if len(head) < 8:
         raise BackendError(f"GGUF file is truncated: {path}")
+
+
+_LOG_LINES: list[str] = []  # llama.cpp's last log lines, for an error message that needs them
+_log_callback = None  # kept referenced: llama.cpp calls it for as long as the process runs
+
+
+def quiet_llama_logs(lib) -> None:
+    """Route llama.cpp's log to a short in-memory buffer instead of stderr. llama-cpp-python's own
+    callback maps this llama.cpp's WARN level to logging.ERROR, so `verbose=False` still prints warnings
+    ("n_ctx_seq > n_ctx_train") and allocation failures; specchat says what went wrong itself, in one line.
+    SPECCHAT_LLAMA_LOG=1 shows the log again."""
+    global _log_callback
+    if _log_callback is not None or os.environ.get("SPECCHAT_LLAMA_LOG"):
+        return
+
+    @lib.llama_log_callback
+    def keep(level, text, user_data):
+        _LOG_LINES.append(text.decode("utf-8", "replace"))
+        del _LOG_LINES[:-50]
+
+    _log_callback = keep
+    lib.llama_log_set(keep, ctypes.c_void_p(0))
+
+
+def gguf_context_length(path: Path) -> int | None:
+    """The context length a GGUF file says its model was trained for (`<arch>.context_length`), read
+    from the header without loading anything; None when it cannot be read."""
+    import struct
+
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
+    ints = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 10: "Q", 11: "q"}
+    try:
+        with path.open("rb") as f:
+            def read(fmt: str):
+                data = f.read(struct.calcsize(fmt))
+                return struct.unpack("<" + fmt, data)[0]
+
+            def string() -> bytes:
+                return f.read(read("Q"))
+
+            def skip(kind: int) -> None:
+                if kind in sizes:
+                    f.seek(sizes[kind], 1)
+                elif kind == 8:
+                    f.seek(read("Q"), 1)
+                elif kind == 9:
+                    inner, count = read("I"), read("Q")
+                    if inner in sizes:
+                        f.seek(sizes[inner] * count, 1)
+                    else:
+                        for _ in range(count):
+                            skip(inner)
+                else:
+                    raise ValueError(kind)
+
+            if f.read(4) != GGUF_MAGIC or read("I") < 2:
+                return None
+            read("Q")  # tensors
+            values: dict[bytes, int] = {}
+            arch = None
+            for _ in range(read("Q")):
+                key, kind = string(), read("I")
+                if key == b"general.architecture" and kind == 8:
+                    arch = string()
+                elif key.endswith(b".context_length") and kind in ints:
+                    values[key] = read(ints[kind])
+                else:
+                    skip(kind)
+            return values.get((arch or b"") + b".context_length")
+    except (OSError, ValueError, struct.error):
+        return None
 
 
 def default_gpu_layers() -> int:
@@ -176,6 +266,7 @@ class LlamaCppBackend:
     ):
         import llama_cpp
 
+        quiet_llama_logs(llama_cpp)
         self._lib = llama_cpp
         path = Path(path)
         check_gguf_file(path)
@@ -208,6 +299,13 @@ class LlamaCppBackend:
                 from .rpc import load_failure
 
                 raise load_failure(path, size, self.rpc_devices, str(e)) from None
+            if "llama_context" in str(e):  # the weights loaded; the KV cache and buffers did not fit
+                trained = gguf_context_length(path)
+                raise BackendError(
+                    f"cannot allocate the KV cache for -c {n_ctx} with {path.name}"
+                    + (f"; the model was trained for {trained} tokens" if trained else "")
+                    + f": use a smaller -c (e.g. -c {min(trained or 4096, 4096)})"
+                ) from None
             raise BackendError(
                 f"llama.cpp could not load {path} ({size / 2**20:.1f} MiB): the file is truncated, corrupt, "
                 f"or of an architecture this llama.cpp does not know ({str(e).splitlines()[0]})"
@@ -451,6 +549,7 @@ def read_vocab(path: str | os.PathLike) -> VocabInfo:
     """The vocabulary of a GGUF file without loading its weights (for `specchat models`)."""
     import llama_cpp
 
+    quiet_llama_logs(llama_cpp)
     path = Path(path)
     check_gguf_file(path)
     try:

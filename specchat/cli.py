@@ -18,7 +18,7 @@ from .crossvocab import rule_info, rule_label
 from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
 from .policy import make_policy
-from .runner import USER_ERRORS, RunOptions, loading, read_prompt, run_options
+from .runner import USER_ERRORS, RunOptions, check_text, loading, read_prompt, run_options
 
 app = typer.Typer(
     name="specchat",
@@ -31,40 +31,12 @@ app = typer.Typer(
 
 
 @app.command()
+@opt.run_args()
 def prompt(
     text: Annotated[str, typer.Argument(help="Prompt text, or - to read it from stdin.", show_default=False)],
-    target: opt.Target = None,
-    draft: opt.Draft = None,
-    pair: opt.Pair = None,
+    run: opt.RunArgs,
     system: Annotated[str | None, typer.Option("--system", help="System message (chat-template models).", rich_help_panel=opt.MODELS)] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the text as is, without the model's chat template.", rich_help_panel=opt.MODELS)] = False,
-    no_spec: opt.NoSpec = False,
-    max_tokens: opt.MaxTokens = 256,
-    temp: opt.Temp = 0.8,
-    top_k: opt.TopK = 40,
-    top_p: opt.TopP = 0.95,
-    min_p: opt.MinP = 0.05,
-    repeat_penalty: opt.RepeatPenalty = 1.0,
-    repeat_last_n: opt.RepeatLastN = 64,
-    frequency_penalty: opt.FrequencyPenalty = 0.0,
-    presence_penalty: opt.PresencePenalty = 0.0,
-    seed: opt.Seed = None,
-    stop: opt.Stop = None,
-    ignore_eos: opt.IgnoreEos = False,
-    draft_max: opt.DraftMax = None,
-    draft_min: opt.DraftMin = 0,
-    draft_p_min: opt.DraftPMin = 0.75,
-    draft_fixed: opt.DraftFixed = None,
-    lookup_min: opt.LookupMin = 1,
-    lookup_max: opt.LookupMax = 32,
-    lookup_history: opt.LookupHistory = True,
-    hybrid: opt.Hybrid = None,
-    cross_vocab: opt.CrossVocab = "auto",
-    ctx_size: opt.Ctx = 4096,
-    ngl: opt.Ngl = None,
-    ngld: opt.Ngld = None,
-    threads: opt.Threads = None,
-    rpc: opt.Rpc = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, prompt_token_ids, stats.", rich_help_panel=opt.OUTPUT)] = False,
     show_stats: Annotated[bool, typer.Option("--stats", help="Print a speculation summary to stderr at the end.", rich_help_panel=opt.OUTPUT)] = False,
     no_color: opt.NoColor = False,
@@ -75,14 +47,9 @@ def prompt(
     Without -m/--pair it runs the `default` pair: SmolLM2-135M-Instruct with prompt lookup.
     """
     config = load_config()
-    run = run_options(
-        config, target=target, draft=draft, pair=pair, no_spec=no_spec, max_tokens=max_tokens, temp=temp,
-        top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, draft_max=draft_max,
-        draft_min=draft_min, draft_p_min=draft_p_min, draft_fixed=draft_fixed, lookup_min=lookup_min,
-        lookup_max=lookup_max, lookup_history=lookup_history, hybrid=hybrid, ctx_size=ctx_size, ngl=ngl, ngld=ngld,
-        threads=threads, cross_vocab=cross_vocab, rpc=rpc,
-    )
+    run = run_options(config, run)
+    if system is not None:
+        check_text(system, "--system")
     text = read_prompt(text)
     err = ui.make_console(stderr=True, no_color=no_color)  # no_color=False still honours NO_COLOR
     with loading(config, run, err) as loaded:
@@ -90,16 +57,14 @@ def prompt(
 
         if raw or not loaded.target.chat_template:
             prompt_ids = loaded.target.tokenize(text, add_special=True)
-            stops = list(stop or [])
+            stops = list(run.stop)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             rendered = render(loaded.target, messages)
-            prompt_ids, stops = rendered.token_ids, rendered.stop + list(stop or [])
+            prompt_ids, stops = rendered.token_ids, rendered.stop + run.stop
         check_fits(prompt_ids, loaded.target.n_ctx)  # before the view starts
-        if ignore_eos:
-            run.params = dataclasses.replace(run.params, banned=loaded.target.eog_tokens())
         events = generate(
-            loaded.target, loaded.drafter, prompt_ids, run.params, max_tokens=run.max_tokens, stop=stops,
+            loaded.target, loaded.drafter, prompt_ids, run.for_target(loaded.target), max_tokens=run.max_tokens, stop=stops,
             policy=make_policy(loaded, run.draft_max, run.draft_fixed),
         )
         if as_json:
@@ -163,7 +128,7 @@ def models() -> None:
         console.print(table)
 
 
-from .report import report_command  # noqa: E402
+from .report.command import report_command  # noqa: E402
 
 app.command("report")(report_command)
 

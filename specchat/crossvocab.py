@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, BackendError, VocabInfo, check_gguf_file, sync
+from .backend import Backend, BackendError, VocabInfo, check_gguf_file, quiet_llama_logs, sync
 from .drafters import Draft
 from .sampling import Dist, SamplingParams, apply_penalties, draft_confidence, process, sample, top_k_ids
 
@@ -139,7 +139,7 @@ def _save_map(path: Path, vmap: VocabMap) -> None:
 
 def cached_vocab_map(target, draft) -> VocabMap:
     """The map for two loaded backends (or vocab-only files): from the cache when both have a file."""
-    paths = [getattr(m, "path", None) for m in (target, draft)]
+    paths = [m.path for m in (target, draft)]
     cache = None
     if all(p is not None and Path(p).is_file() for p in paths):
         cache = map_cache_path(*paths)
@@ -159,6 +159,7 @@ class VocabFile:
     def __init__(self, path) -> None:
         import llama_cpp
 
+        quiet_llama_logs(llama_cpp)
         self.path = Path(path)
         check_gguf_file(self.path)
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,8 +23,12 @@ class Draft:
     source: str = "draft-model"
 
 
+@runtime_checkable
 class Drafter(Protocol):
     kind: str  # "draft-model" | "prompt-lookup" | "hybrid"
+    # the drafter's own model, whose KV cache a caller resets and frees and whose cost a policy
+    # measures; None for a drafter without one (prompt lookup)
+    backend: Backend | None
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         """Called before generation starts, so prompt work is not billed to the first step."""
@@ -170,6 +174,7 @@ class PromptLookup:
     win when their match is longer."""
 
     kind = "prompt-lookup"
+    backend = None  # nothing to evaluate: proposals cost no model time
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 32, draft_min: int = 0,
                  history: NgramHistory | None = None):

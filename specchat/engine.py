@@ -24,6 +24,8 @@ from .sampling import (
 )
 from .stats import RunStats, StepStats
 
+MAX_TOKENS = 256  # most tokens one generation emits unless told (-n)
+
 Source = Literal["accepted", "resampled", "bonus", "target"]
 
 
@@ -78,7 +80,7 @@ def generate(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     *,
-    max_tokens: int = 256,
+    max_tokens: int = MAX_TOKENS,
     stop: Sequence[str] = (),
     policy: Policy | None = None,
     rng: np.random.Generator | None = None,
@@ -101,7 +103,7 @@ def generate(
     started = time.perf_counter()
     evaluated_before = target.evaluated
     sync(target, prompt_ids[:-1], logits_last=False)
-    if drafter is not None and getattr(policy, "drafting_possible", True):
+    if drafter is not None and policy.drafting_possible:
         drafter.prefill(prompt_ids)
     stats.prompt_tokens_evaluated = target.evaluated - evaluated_before + 1  # the last one goes with step 1
     stats.prefill_seconds = time.perf_counter() - started

@@ -48,17 +48,17 @@ class Loaded:
 
         return render(self.target, messages).token_ids
 
-    def policy(self, draft_max: int = 64, draft_fixed: int | None = None):
-        """The draft-length policy the CLI would use (adaptive unless draft_fixed is given)."""
-        from .policy import make_policy
+    def policy(self, draft_max: int | None = None, draft_fixed: int | None = None):
+        """The draft-length policy the CLI would use (adaptive unless draft_fixed is given; draft_max
+        defaults to --draft-max's default)."""
+        from .policy import DRAFT_MAX, make_policy
 
-        return make_policy(self, draft_max, draft_fixed)
+        return make_policy(self, DRAFT_MAX if draft_max is None else draft_max, draft_fixed)
 
     def close(self) -> None:
-        for backend in (self.target, getattr(self.drafter, "backend", None)):
-            close = getattr(backend, "close", None)
-            if close:
-                close()
+        for backend in (self.target, self.drafter.backend if self.drafter is not None else None):
+            if backend is not None:
+                backend.close()
 
 
 @dataclass(frozen=True)

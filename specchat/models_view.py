@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from .backend import BackendError, check_compatible, read_vocab
@@ -17,8 +18,10 @@ def models_tables(config: Config) -> list[Table]:
     present: dict[str, bool] = {}
     for name, spec in config.models.items():
         present[name] = is_present(spec)
-        models.add_row(name, describe(spec), "[green]present[/]" if present[name] else "[dim]not downloaded[/]",
-                       _layers(spec.rpc), spec.description)
+        # names and descriptions are the user's text, shown as written ("the [models] extra")
+        models.add_row(escape(name), escape(describe(spec)),
+                       "[green]present[/]" if present[name] else "[dim]not downloaded[/]",
+                       escape(_layers(spec.rpc)), escape(spec.description))
 
     pairs = Table(title="Pairs", title_justify="left")
     for column in ("name", "target", "drafter", "vocabulary", "target layers", "description"):
@@ -27,7 +30,8 @@ def models_tables(config: Config) -> list[Table]:
     for name, pair in config.pairs.items():
         rpc = pair.rpc or (config.models[pair.target].rpc if pair.target in config.models else ())
         drafter = f"{PROMPT_LOOKUP} + {pair.draft}" if pair.lookup else pair.draft
-        pairs.add_row(name, pair.target, drafter, _compatibility(config, pair, vocabs), _layers(rpc), pair.description)
+        pairs.add_row(escape(name), escape(pair.target), escape(drafter), _compatibility(config, pair, vocabs),
+                      escape(_layers(rpc)), escape(pair.description))
     return [models, pairs]
 
 
@@ -53,7 +57,7 @@ def _compatibility(config: Config, pair, vocabs: dict) -> str:
                 vocabs[spec.name] = read_vocab(files[-1])
             infos.append(vocabs[spec.name])
         if check_compatible(*infos) is None:
-            return f"[green]{vocabulary_note(None)}[/]"
-        return f"[yellow]{vocabulary_note(file_vocab_map(*files))}[/]"
+            return f"[green]{escape(vocabulary_note(None))}[/]"
+        return f"[yellow]{escape(vocabulary_note(file_vocab_map(*files)))}[/]"
     except (ConfigError, SourceError, BackendError) as e:
-        return f"[red]error[/]: {e}"
+        return f"[red]error[/]: {escape(str(e))}"

@@ -1,14 +1,31 @@
-"""Command-line options shared by `prompt`, `chat` and `report`, named like llama.cpp's where it has one.
+"""Command-line options shared by `prompt`, `chat` and `report`, named like llama.cpp's where it has one
+(its current `--spec-draft-*` spellings and the older ones both).
 
-Each is an Annotated type so a command declares `temp: Temp = 0.8` and gets the flag, help text, range
-check and help panel in one place.
+Each flag is an Annotated type: the flag, its help text, range check and help panel in one place.
+`RunArgs` gathers the generation flags into one value and `run_args` attaches all of them to a command,
+which then receives `run: RunArgs`. Defaults come from the library's own dataclasses (SamplingParams,
+LoadOptions), so each is written once.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from copy import copy
+from dataclasses import dataclass
+from typing import Annotated, get_args, get_type_hints
 
 import typer
+
+from .engine import MAX_TOKENS
+from .loader import LoadOptions
+from .policy import DRAFT_MAX
+from .sampling import SamplingParams
+
+# ggml's per-thread state is sized GGML_MAX_N_THREADS (512); far more threads crash llama.cpp (-t 100000)
+MAX_THREADS = 512
 
 MODELS = "Models"
 SAMPLING = "Sampling"
@@ -22,7 +39,7 @@ Target = Annotated[
 ]
 Draft = Annotated[
     str | None,
-    typer.Option("-md", "--draft", "--model-draft", help="Drafter: a model (name, path or hub ref) or `prompt-lookup`. Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
+    typer.Option("-md", "--draft", "--model-draft", "--spec-draft-model", help="Drafter: a model (name, path or hub ref) or `prompt-lookup`. Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
 ]
 Pair = Annotated[
     str | None,
@@ -62,15 +79,15 @@ Stop = Annotated[
     list[str] | None, typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel=SAMPLING)
 ]
 DraftMax = Annotated[
-    int | None,
-    typer.Option("--draft-max", "--draft-n", min=0, help="Most tokens drafted per step (0 = no drafting). Default 64, the policy picks k up to it.", rich_help_panel=SPEC),
+    int,
+    typer.Option("--draft-max", "--draft-n", "--spec-draft-n-max", min=0, help="Most tokens drafted per step (0 = no drafting); the policy picks k up to it.", rich_help_panel=SPEC),
 ]
 DraftMin = Annotated[
-    int, typer.Option("--draft-min", min=0, help="Drop drafts shorter than this.", rich_help_panel=SPEC)
+    int, typer.Option("--draft-min", "--spec-draft-n-min", min=0, help="Drop drafts shorter than this.", rich_help_panel=SPEC)
 ]
 DraftPMin = Annotated[
     float,
-    typer.Option("--draft-p-min", min=0.0, max=1.0, help="Draft model stops when its top probability falls below this.", rich_help_panel=SPEC),
+    typer.Option("--draft-p-min", "--spec-draft-p-min", min=0.0, max=1.0, help="Draft model stops when its top probability falls below this.", rich_help_panel=SPEC),
 ]
 DraftFixed = Annotated[
     int | None,
@@ -97,17 +114,108 @@ Ngl = Annotated[
 ]
 Ngld = Annotated[
     int | None,
-    typer.Option("-ngld", "--gpu-layers-draft", min=-1, help="Draft model layers on the GPU (same default).", rich_help_panel=HARDWARE),
+    typer.Option("-ngld", "--gpu-layers-draft", "--spec-draft-ngl", min=-1, help="Draft model layers on the GPU (same default).", rich_help_panel=HARDWARE),
 ]
 Rpc = Annotated[
     str | None,
     typer.Option("--rpc", help="RPC workers for the target's layers: HOST:PORT[,HOST:PORT...] (`specchat rpc-server` there); -ngl counts the layers placed on them (default all). `off` = local.", rich_help_panel=HARDWARE),
 ]
 Threads = Annotated[
-    int | None, typer.Option("-t", "--threads", min=1, help="CPU threads (default: all cores up to 4, else half).", rich_help_panel=HARDWARE)
+    int | None, typer.Option("-t", "--threads", min=1, help=f"CPU threads, 1..{MAX_THREADS} (default: all cores up to 4, else half).", rich_help_panel=HARDWARE)
 ]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colour (also when NO_COLOR is set).", rich_help_panel=OUTPUT)]
 IgnoreEos = Annotated[
     bool,
     typer.Option("--ignore-eos", help="Never end at an end-of-generation token (benchmarks: fixed lengths).", rich_help_panel=SAMPLING),
 ]
+
+
+_SAMPLING, _LOAD = SamplingParams(), LoadOptions()
+
+
+@dataclass
+class RunArgs:
+    """The generation flags of `prompt`, `chat` and `report`, as typed: one value per command run.
+    Each field's annotation is its flag; each default is the library's."""
+
+    target: Target = None
+    draft: Draft = None
+    pair: Pair = None
+    no_spec: NoSpec = False
+    max_tokens: MaxTokens = MAX_TOKENS
+    temp: Temp = _SAMPLING.temperature
+    top_k: TopK = _SAMPLING.top_k
+    top_p: TopP = _SAMPLING.top_p
+    min_p: MinP = _SAMPLING.min_p
+    repeat_penalty: RepeatPenalty = _SAMPLING.repeat_penalty
+    repeat_last_n: RepeatLastN = _SAMPLING.repeat_last_n
+    frequency_penalty: FrequencyPenalty = _SAMPLING.frequency_penalty
+    presence_penalty: PresencePenalty = _SAMPLING.presence_penalty
+    seed: Seed = _SAMPLING.seed
+    stop: Stop = None
+    ignore_eos: IgnoreEos = False
+    draft_max: DraftMax = DRAFT_MAX
+    draft_min: DraftMin = _LOAD.draft_min
+    draft_p_min: DraftPMin = _LOAD.draft_p_min
+    draft_fixed: DraftFixed = None
+    lookup_min: LookupMin = _LOAD.lookup_min
+    lookup_max: LookupMax = _LOAD.lookup_max
+    lookup_history: LookupHistory = _LOAD.lookup_history
+    hybrid: Hybrid = None
+    cross_vocab: CrossVocab = _LOAD.cross_vocab
+    ctx_size: Ctx = _LOAD.n_ctx
+    ngl: Ngl = _LOAD.n_gpu_layers
+    ngld: Ngld = _LOAD.n_gpu_layers_draft
+    threads: Threads = _LOAD.n_threads
+    rpc: Rpc = None
+
+
+def _with_help(annotation, text: str):
+    """The same flag with another help text (a command whose default means something else)."""
+    base, info = get_args(annotation)
+    info = copy(info)
+    info.help = text
+    return Annotated[base, info]
+
+
+def run_args(*, defaults: Mapping[str, object] | None = None, help: Mapping[str, str] | None = None,
+             exclude: tuple[str, ...] = ()) -> Callable:
+    """Give a Typer command every RunArgs flag; it receives them as one `run: RunArgs` parameter.
+
+    What differs per command is said here and nowhere else: `defaults` (report: greedy, seed 0, -n 128),
+    `help` texts for those, and `exclude` (flags that make no sense for the command; they keep their
+    default in the RunArgs it receives)."""
+    defaults, help = dict(defaults or {}), dict(help or {})
+    hints = get_type_hints(RunArgs, include_extras=True)
+    names = [f.name for f in dataclasses.fields(RunArgs)]
+    unknown = set(defaults) | set(help) | set(exclude)
+    assert unknown <= set(names), unknown - set(names)
+
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "run"]
+        shared = []
+        for field in dataclasses.fields(RunArgs):
+            if field.name in exclude:
+                continue
+            annotation = hints[field.name]
+            if field.name in help:
+                annotation = _with_help(annotation, help[field.name])
+            shared.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                            default=defaults.get(field.name, field.default)))
+        positional = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p not in positional]
+        params = positional + shared + keyword
+
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            given = {name: kwargs.pop(name) for name in names if name in kwargs}
+            run = RunArgs(**{**defaults, **given})
+            return command(*args, run=run, **kwargs)
+
+        del wrapper.__wrapped__  # Typer must read the signature below, not the command's
+        wrapper.__signature__ = signature.replace(parameters=params)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return decorate

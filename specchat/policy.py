@@ -2,7 +2,8 @@
 
 Drafting pays only when the tokens it is expected to add outweigh what verifying them costs. On a GPU
 at batch 1 verifying 8 tokens costs about as much as 1; on two CPU cores it costs 3-5x, so the same
-drafter that doubles speed there loses here. `AdaptivePolicy` decides from measurements on this machine:
+drafter that doubles speed there loses here. `AdaptivePolicy` (one subclass per kind of drafter) decides from
+measurements on this machine:
 
     expected tokens(n) = 1 + sum_{j<=n} prod_{i<=j} a_i      a_i = P(draft i accepted | drafts < i accepted)
     rate(n)            = expected tokens(n) / (verify_cost(n + 1) + draft_cost(n))
@@ -26,10 +27,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .backend import Backend
 from .stats import StepStats
 
 # batch sizes timed at calibration; costs in between are interpolated
@@ -39,8 +41,10 @@ MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
 # from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
 DRAFT_MARGIN = 1.04
+DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it
 
 
+@runtime_checkable
 class Policy(Protocol):
     def plan(self, limit: int) -> int:
         """Most tokens the drafter should propose now (0 = do not call it), at most `limit`."""
@@ -54,9 +58,15 @@ class Policy(Protocol):
     def finish(self) -> None:
         """A generation ended: keep what was learned (the adaptive policy saves its estimates)."""
 
+    @property
+    def drafting_possible(self) -> bool:
+        """False when no draft could pay here: the engine then does not even prefill the drafter."""
+
 
 class FixedPolicy:
     """Always the same k: --draft-fixed, and --no-spec (k = 0)."""
+
+    drafting_possible = True
 
     def __init__(self, k: int):
         self.k = k
@@ -143,15 +153,15 @@ class CostModel:
         return cls(list(sizes), seconds)
 
 
-def cost_cache_key(backend) -> str:
-    path = Path(getattr(backend, "path", backend.name))
+def cost_cache_key(backend: Backend) -> str:
+    path = Path(backend.path or backend.name)
     try:
         st = path.stat()
         ident = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
     except OSError:
         ident = str(path)
-    ident += f"|threads={getattr(backend, 'n_threads', 0)}|ngl={getattr(backend, 'n_gpu_layers', 0)}"
-    if getattr(backend, "rpc", ()):
+    ident += f"|threads={backend.n_threads}|ngl={backend.n_gpu_layers}"
+    if backend.rpc:
         # layers on RPC workers cost round trips: calibrated per endpoint set
         ident += "|rpc=" + ",".join(sorted(backend.rpc))
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
@@ -377,64 +387,93 @@ class AcceptanceStore:
 
 
 class AdaptivePolicy:
-    """The default: picks k per step to maximise expected tokens per second (see module doc).
+    """The default: picks k per step to maximise expected tokens per second (see module doc). This base
+    holds what every drafter kind shares: the target's cost model, the draft limit, the per-step overhead
+    and the estimates kept across runs. One subclass per kind of drafter holds its own acceptance model:
 
-    kind "prompt-lookup": the proposal is free, so propose first and trim with what the match looks like.
-    kind "draft-model": choose k before the model drafts, from its per-position acceptance and its cost.
-    kind "hybrid": lookup runs first; `choose` compares its best rate with the model's and with k = 0."""
+    - DraftModelPolicy: choose k before the model drafts, from its per-position acceptance and its cost.
+    - LookupPolicy: the proposal is free, so propose first and trim with what the match looks like.
+    - HybridPolicy: lookup runs first; `choose` compares its best rate with the model's and with k = 0."""
 
-    def __init__(self, verify_cost: CostModel, *, kind: str, draft_max: int, draft_cost: CostModel | None = None,
+    kind = ""
+
+    def __init__(self, verify_cost: CostModel, *, draft_max: int, draft_cost: CostModel | None = None,
                  store: AcceptanceStore | None = None):
         self.verify_cost = verify_cost
         self.draft_cost = draft_cost
-        self.kind = kind
         self.draft_max = draft_max
-        self.uses_lookup = kind in ("prompt-lookup", "hybrid")
-        self.lookup = LookupAcceptance()
-        # a draft model gets an optimistic prior so it is tried; its misses then teach the policy
-        self.model_acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
-        self._match: tuple[int, bool] | None = None  # this step's lookup match: (length, from history)
-        self._source = "draft-model" if kind == "draft-model" else "prompt-lookup"  # this step's
-        self._lookup_n = 0  # hybrid: how many of lookup's tokens `choose` decided to send
-        # proposed tokens not sent to the target, checked against what it emits: free evidence
-        self._shadow: list[int] = []
-        self._shadow_match: tuple[int, bool] = (0, False)  # match length the shadow's first token continues
-        # A draft model whose every token costs about as much as a target token cannot pay even if it
-        # were always right (a self-pair on a CPU): then it is not even given the prompt.
-        self.model_possible = kind != "prompt-lookup" and best_length(
-            np.ones(max(1, draft_max)), verify_cost, draft_cost(1) if draft_cost else 0.0
-        )[0] > 0
-        self.drafting_possible = self.uses_lookup or self.model_possible
         # Seconds per step spent outside drafting and verifying (bookkeeping, the consumer drawing
         # tokens). Paid once per step whatever k is, so it favours longer drafts.
         self.overhead = 0.0
         self._last_observed: float | None = None
+        self._setup()
+        self.drafting_possible = self._drafting_possible()
         self.store = store
-        if store is not None:
-            tables = store.load()
-            if self.uses_lookup and "lookup" in tables:
-                self.lookup.absorb(tables["lookup"], AcceptanceStore.TRUST)
-            if self.kind != "prompt-lookup" and "model" in tables:
-                self.model_acceptance.absorb(tables["model"], AcceptanceStore.TRUST)
+        if store is not None:  # start from the estimates an earlier process saved
+            saved = store.load()
+            for name, estimate in self._estimates().items():
+                if name in saved:
+                    estimate.absorb(saved[name], AcceptanceStore.TRUST)
 
-    # --- memory across runs
+    # --- what each kind adds
+
+    def _setup(self) -> None:
+        """Create this kind's estimates (each subclass adds its own, then calls super)."""
+
+    def _drafting_possible(self) -> bool:
+        return True
+
+    def _estimates(self) -> dict[str, Acceptance | LookupAcceptance]:
+        """This kind's acceptance estimates, by the name they are saved under."""
+        return {}
 
     def tables(self) -> dict[str, dict]:
-        out = {}
-        if self.uses_lookup and self.lookup.tries.sum() > 0:
-            out["lookup"] = self.lookup.as_dict()
-        if self.kind != "prompt-lookup" and self.model_acceptance.tries.sum() > 0:
-            out["model"] = self.model_acceptance.as_dict()
-        return out
+        """The estimates worth keeping for the next process."""
+        return {name: e.as_dict() for name, e in self._estimates().items() if e.tries.sum() > 0}
+
+    # --- memory across runs
 
     def finish(self) -> None:
         if self.store is not None:
             self.store.save(self.tables())
 
-    # --- choosing k
+    # --- learning the costs
 
-    def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
-        return best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead)
+    def _observe_overhead(self, step: StepStats) -> None:
+        now = time.perf_counter()
+        if self._last_observed is not None:
+            extra = now - self._last_observed - step.verify_seconds - step.draft_seconds
+            # a gap longer than a few token times is a pause (the user typing), not overhead
+            if 0.0 <= extra < 3 * self.verify_cost(1):
+                self.overhead = 0.9 * self.overhead + 0.1 * extra
+        self._last_observed = now
+
+    def _observe_costs(self, step: StepStats) -> None:
+        self._observe_overhead(step)
+        self.verify_cost.update(step.drafted + 1, step.verify_seconds)
+
+
+class DraftModelPolicy(AdaptivePolicy):
+    """A draft model: k is chosen before it drafts, from one acceptance estimate per draft position and
+    what its tokens cost."""
+
+    kind = "draft-model"
+
+    def _setup(self) -> None:
+        super()._setup()
+        # a draft model gets an optimistic prior so it is tried; its misses then teach the policy
+        self.model_acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
+        # A draft model whose every token costs about as much as a target token cannot pay even if it
+        # were always right (a self-pair on a CPU): then it is not even given the prompt.
+        self.model_possible = best_length(
+            np.ones(max(1, self.draft_max)), self.verify_cost, self.draft_cost(1) if self.draft_cost else 0.0
+        )[0] > 0
+
+    def _drafting_possible(self) -> bool:
+        return self.model_possible
+
+    def _estimates(self) -> dict[str, Acceptance | LookupAcceptance]:
+        return {**super()._estimates(), "model": self.model_acceptance}
 
     def _model_best(self, limit: int) -> tuple[int, float]:
         if not self.model_possible or limit <= 0:
@@ -446,60 +485,63 @@ class AdaptivePolicy:
         limit = min(limit, self.draft_max)
         if limit <= 0:
             return 0
-        if self.uses_lookup:
-            return limit  # lookup's proposal is free: look first, decide in trim / choose
         n, _ = self._model_best(limit)
         return n
 
-    def choose(self, match: int, n_tokens: int, limit: int, from_history: bool = False) -> tuple[str, int]:
-        """Hybrid: ("prompt-lookup", n) to send n of lookup's tokens, ("draft-model", k) to have the model
-        draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup wins ties:
-        its drafts cost nothing, so a long match beats the model even where the model's tokens are cheap."""
-        lookup_n, lookup_rate = (0, 0.0) if n_tokens <= 0 else self._lookup_best(match, n_tokens, from_history)
-        model_n, model_rate = self._model_best(limit)
-        self._match = (match, from_history) if n_tokens > 0 else None
-        if lookup_n > 0 and lookup_rate >= model_rate:
-            self._source, self._lookup_n = "prompt-lookup", lookup_n
-            return "prompt-lookup", lookup_n
-        if model_n > 0:
-            self._source = "draft-model"
-            return "draft-model", model_n
-        self._source = "none"
-        return "none", 0
+    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
+        return len(tokens)
+
+    def _learn_model(self, step: StepStats) -> None:
+        if self.draft_cost is not None and step.drafted > 0:
+            self.draft_cost.update(1, step.draft_seconds / step.drafted)
+        self.model_acceptance.record(step.accepted, step.drafted)
+
+    def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        self._observe_costs(step)
+        self._learn_model(step)
+
+
+class LookupPolicy(AdaptivePolicy):
+    """Prompt lookup: its proposal costs nothing, so look first (plan = the limit) and trim the match to
+    what its length predicts (LookupAcceptance). Proposals not sent are checked against what the target
+    emits next: free evidence."""
+
+    kind = "prompt-lookup"
+
+    def _setup(self) -> None:
+        super()._setup()
+        self.lookup = LookupAcceptance()
+        self._match: tuple[int, bool] | None = None  # this step's lookup match: (length, from history)
+        # proposed tokens not sent to the target, checked against what it emits: free evidence
+        self._shadow: list[int] = []
+        self._shadow_match: tuple[int, bool] = (0, False)  # match length the shadow's first token continues
+
+    def _drafting_possible(self) -> bool:
+        return True  # lookup is free: always worth looking
+
+    def _estimates(self) -> dict[str, Acceptance | LookupAcceptance]:
+        return {**super()._estimates(), "lookup": self.lookup}
+
+    def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
+        return best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead)
+
+    def plan(self, limit: int) -> int:
+        return max(0, min(limit, self.draft_max))  # lookup's proposal is free: look first, decide in trim
 
     def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
-        if not tokens or self._source == "draft-model":
-            return len(tokens)
-        if self.kind == "hybrid":
-            return min(len(tokens), self._lookup_n)
+        if not tokens:
+            return 0
         self._match = (int(confidence), source == "history")
         n, _ = self._lookup_best(int(confidence), len(tokens), source == "history")
         return n
 
-    # --- learning
-
-    def _observe_overhead(self, step: StepStats) -> None:
-        now = time.perf_counter()
-        if self._last_observed is not None:
-            extra = now - self._last_observed - step.verify_seconds - step.draft_seconds
-            # a gap longer than a few token times is a pause (the user typing), not overhead
-            if 0.0 <= extra < 3 * self.verify_cost(1):
-                self.overhead = 0.9 * self.overhead + 0.1 * extra
-        self._last_observed = now
-
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
-        self._observe_overhead(step)
-        self.verify_cost.update(step.drafted + 1, step.verify_seconds)
-        source = self._source
-        if self.kind == "hybrid":
-            self._source = "none"  # until the next choose()
+        self._observe_costs(step)
         match, self._match = self._match, None
-        if source == "draft-model":
-            if self.draft_cost is not None and step.drafted > 0:
-                self.draft_cost.update(1, step.draft_seconds / step.drafted)
-            self.model_acceptance.record(step.accepted, step.drafted)
-            self._check_shadow(emitted)
-            return
+        self._learn_lookup(step, proposed, emitted, match)
+
+    def _learn_lookup(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int],
+                      match: tuple[int, bool] | None) -> None:
         if not proposed or match is None:
             self._check_shadow(emitted)
             return
@@ -533,6 +575,55 @@ class AdaptivePolicy:
             self._shadow = self._shadow[1:] if hit else []
 
 
+class HybridPolicy(LookupPolicy, DraftModelPolicy):
+    """Prompt lookup first, the draft model otherwise: each step `choose` (the HybridDrafter's) sends
+    lookup's match, has the model draft, or drafts nothing, whichever has the best expected rate."""
+
+    kind = "hybrid"
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._source = "prompt-lookup"  # this step's, set by choose()
+        self._lookup_n = 0  # how many of lookup's tokens `choose` decided to send
+
+    def choose(self, match: int, n_tokens: int, limit: int, from_history: bool = False) -> tuple[str, int]:
+        """("prompt-lookup", n) to send n of lookup's tokens, ("draft-model", k) to have the model
+        draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup wins ties:
+        its drafts cost nothing, so a long match beats the model even where the model's tokens are cheap."""
+        lookup_n, lookup_rate = (0, 0.0) if n_tokens <= 0 else self._lookup_best(match, n_tokens, from_history)
+        model_n, model_rate = self._model_best(limit)
+        self._match = (match, from_history) if n_tokens > 0 else None
+        if lookup_n > 0 and lookup_rate >= model_rate:
+            self._source, self._lookup_n = "prompt-lookup", lookup_n
+            return "prompt-lookup", lookup_n
+        if model_n > 0:
+            self._source = "draft-model"
+            return "draft-model", model_n
+        self._source = "none"
+        return "none", 0
+
+    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
+        if not tokens or self._source == "draft-model":
+            return len(tokens)
+        return min(len(tokens), self._lookup_n)
+
+    def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        self._observe_costs(step)
+        source, self._source = self._source, "none"  # until the next choose()
+        match, self._match = self._match, None
+        if source == "draft-model":
+            self._learn_model(step)
+            self._check_shadow(emitted)
+            return
+        self._learn_lookup(step, proposed, emitted, match)
+
+
+# the policy for each kind of drafter; any other (a test's scripted drafter) is treated as a model
+POLICIES: dict[str, type[AdaptivePolicy]] = {
+    "draft-model": DraftModelPolicy, "prompt-lookup": LookupPolicy, "hybrid": HybridPolicy,
+}
+
+
 def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True) -> Policy:
     """The policy a command runs with: none without a drafter, fixed with --draft-fixed, else adaptive,
     starting from the estimates earlier runs saved for this target and drafter (unless remember=False)."""
@@ -552,9 +643,10 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bo
         drafter_id += ":" + cost_cache_key(drafter.backend)
     store = None
     if remember:
-        label = f"{loaded.target.name} + {getattr(loaded, 'drafter_label', drafter.kind)}"
+        label = f"{loaded.target.name} + {loaded.drafter_label}"
         store = AcceptanceStore(cache_dir() / "acceptance.json", f"{cost_cache_key(loaded.target)}|{drafter_id}", label)
-    policy = AdaptivePolicy(verify, kind=drafter.kind, draft_max=draft_max, draft_cost=draft_cost, store=store)
+    policy = POLICIES.get(drafter.kind, DraftModelPolicy)(verify, draft_max=draft_max, draft_cost=draft_cost,
+                                                          store=store)
     if drafter.kind == "hybrid":
         drafter.choose = policy.choose
     return policy

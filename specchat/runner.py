@@ -1,23 +1,22 @@
-"""What every generating command does the same way: turn the shared options into a checked RunOptions,
-load the pair behind a spinner, read the prompt. User mistakes raise UserError (one line, exit 2)."""
+"""What every generating command does the same way: turn its RunArgs into a checked RunOptions, load the
+pair behind a spinner, read the prompt. User mistakes raise UserError (one line, exit 2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from .backend import BackendError
+from .backend import Backend, BackendError
 from .config import PROMPT_LOOKUP, Config, ConfigError
 from .loader import LoadOptions, Selection, load, select
+from .options import MAX_THREADS, RunArgs
 from .sampling import SamplingParams
 from .sources import SourceError
 from .template import TemplateError
-
-
-DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it
 
 
 class UserError(Exception):
@@ -29,7 +28,7 @@ USER_ERRORS = (UserError, BackendError, ConfigError, SourceError, TemplateError)
 
 @dataclass
 class RunOptions:
-    """Everything a generating command needs, gathered from the shared options."""
+    """Everything a generating command needs, checked and built from its RunArgs."""
 
     selection: Selection
     load: LoadOptions
@@ -37,6 +36,14 @@ class RunOptions:
     draft_max: int
     draft_fixed: int | None
     max_tokens: int
+    stop: list[str] = field(default_factory=list)  # the user's --stop strings (the template adds its own)
+    ignore_eos: bool = False
+
+    def for_target(self, target: Backend) -> SamplingParams:
+        """The sampling parameters for this target: --ignore-eos bans its end-of-generation ids."""
+        if self.ignore_eos:
+            self.params = dataclasses.replace(self.params, banned=target.eog_tokens())
+        return self.params
 
 
 def sampling_params(**kw) -> SamplingParams:
@@ -48,39 +55,55 @@ def sampling_params(**kw) -> SamplingParams:
     return params
 
 
-def run_options(
-    config: Config,
-    *,
-    target, draft, pair, no_spec, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-    frequency_penalty, presence_penalty, seed, draft_max, draft_min, draft_p_min, draft_fixed, lookup_min,
-    lookup_max, lookup_history=True, hybrid=None, ctx_size, ngl, ngld, threads, cross_vocab="auto", rpc=None,
-) -> RunOptions:
-    if lookup_min > lookup_max:
-        raise UserError(f"--lookup-min ({lookup_min}) must not exceed --lookup-max ({lookup_max})")
-    draft_max = DRAFT_MAX if draft_max is None else draft_max
-    if draft_min > draft_max:
-        raise UserError(f"--draft-min ({draft_min}) must not exceed --draft-max ({draft_max})")
+def check_text(text: str, what: str) -> str:
+    """Text from the command line or stdin must be UTF-8: Python keeps undecodable bytes as lone
+    surrogates, which no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else None
+        detail = f"byte 0x{byte:02x}" if byte is not None else "a lone surrogate"
+        raise UserError(f"{what} is not valid UTF-8 ({detail} at character {e.start + 1}); "
+                        "check the terminal's or file's encoding") from None
+    return text
+
+
+def run_options(config: Config, args: RunArgs) -> RunOptions:
+    if args.lookup_min > args.lookup_max:
+        raise UserError(f"--lookup-min ({args.lookup_min}) must not exceed --lookup-max ({args.lookup_max})")
+    if args.draft_min > args.draft_max:
+        raise UserError(f"--draft-min ({args.draft_min}) must not exceed --draft-max ({args.draft_max})")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        raise UserError(f"-t/--threads {args.threads}: the supported range is 1..{MAX_THREADS} "
+                        "(ggml's GGML_MAX_N_THREADS; more can crash llama.cpp)")
+    stops = list(args.stop or [])
+    for stop in stops:
+        if not stop:
+            raise UserError("--stop: an empty stop string would end every reply before it starts; give some text")
+        check_text(stop, "--stop")
     from .crossvocab import check_rule
 
     try:
-        cross_vocab = check_rule(cross_vocab)
+        cross_vocab = check_rule(args.cross_vocab)
     except ValueError as e:
         raise UserError(str(e)) from None
     params = sampling_params(
-        temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-        repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed,
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
     )
-    selection = select(config, pair=pair, target=target, draft=draft, no_spec=no_spec or draft_max == 0, hybrid=hybrid)
-    if hybrid and selection.draft == PROMPT_LOOKUP:
+    selection = select(config, pair=args.pair, target=args.target, draft=args.draft,
+                       no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid)
+    if args.hybrid and selection.draft == PROMPT_LOOKUP:
         raise UserError("--hybrid needs a draft model (-md MODEL or a pair with one) to fall back on")
     load_opts = LoadOptions(
-        n_ctx=ctx_size, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, n_threads=threads,
-        draft_p_min=draft_p_min, draft_min=draft_min, lookup_min=lookup_min, lookup_max=lookup_max,
-        lookup_history=lookup_history,
-        cross_vocab=cross_vocab,
-        rpc=rpc_endpoints(rpc),
+        n_ctx=args.ctx_size, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngld, n_threads=args.threads,
+        draft_p_min=args.draft_p_min, draft_min=args.draft_min, lookup_min=args.lookup_min,
+        lookup_max=args.lookup_max, lookup_history=args.lookup_history, cross_vocab=cross_vocab,
+        rpc=rpc_endpoints(args.rpc),
     )
-    return RunOptions(selection, load_opts, params, draft_max, draft_fixed, max_tokens)
+    return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
+                      stop=stops, ignore_eos=args.ignore_eos)
 
 
 def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:
@@ -110,8 +133,13 @@ def loading(config: Config, run: RunOptions, console: Console):
 
 def read_prompt(text: str) -> str:
     if text == "-":
-        text = sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"the prompt on stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at byte {e.start + 1}); "
+                            "check the file's encoding") from None
+    check_text(text, "the prompt")
     if not text.strip():
         raise UserError("empty prompt: give some text, or - to read it from stdin")
     return text
-

@@ -301,11 +301,21 @@ def _resolve_hub(spec: ModelSpec, *, download: bool, progress: bool) -> Path:
     if parsed is None:
         raise SourceError(f"'{spec.ref}' is not owner/repo:file.gguf or owner/repo:QUANT (e.g. Q4_K_M)")
     repo, selector = parsed
+    _check_repo_file(spec.ref, selector)
     hf = _hf()
+    offline = None  # why the Hub cannot be used now, when it cannot: then only the local cache is
+    if download:
+        from huggingface_hub import constants
+
+        offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _hub_unreachable()
+    local = not download or offline is not None
+
+    def not_here() -> SourceError:
+        return _offline(spec.ref, offline) if offline else _not_downloaded(spec.ref)
 
     if selector.lower().endswith(".gguf"):
         files = _split_parts(selector) or [selector]
-    elif download:
+    elif not local:
         try:
             files = _pick_quant(spec.ref, hf.HfApi().list_repo_files(repo), selector)
         except SourceError:
@@ -320,10 +330,10 @@ def _resolve_hub(spec: ModelSpec, *, download: bool, progress: bool) -> Path:
         try:
             files = _pick_quant(spec.ref, _cached_repo_files(repo), selector)
         except SourceError:
-            raise _not_downloaded(spec.ref) from None
+            raise not_here() from None
 
     kwargs: dict[str, Any] = {}
-    if not download:
+    if local:
         kwargs["local_files_only"] = True
     elif not progress:
         kwargs["tqdm_class"] = _silent_tqdm()
@@ -332,10 +342,49 @@ def _resolve_hub(spec: ModelSpec, *, download: bool, progress: bool) -> Path:
         try:
             paths.append(Path(hf.hf_hub_download(repo_id=repo, filename=name, **kwargs)))
         except Exception as e:
-            if not download and isinstance(e, (FileNotFoundError, _hf_errors().LocalEntryNotFoundError)):
-                raise _not_downloaded(spec.ref) from None
+            if local and isinstance(e, (FileNotFoundError, _hf_errors().LocalEntryNotFoundError)):
+                raise not_here() from None
             raise _hub_error(spec.ref, e) from None
     return paths[0]
+
+
+def _check_repo_file(ref: str, selector: str) -> None:
+    """The part after ':' names a file inside the repo (or a quant): never a path out of it."""
+    parts = selector.replace("\\", "/").split("/")
+    if selector.startswith(("/", "~")) or any(p in ("", ".", "..") for p in parts) or "\0" in selector:
+        raise SourceError(f"'{ref}': '{selector}' is not a file name inside the repository "
+                          "(want owner/repo:file.gguf, owner/repo:folder/file.gguf or owner/repo:QUANT)")
+
+
+PROBE_TIMEOUT = 3.0  # seconds to wait for the Hub's TCP handshake before calling it unreachable
+
+
+def _hub_unreachable() -> str | None:
+    """Why huggingface.co (or HF_ENDPOINT, or the proxy in between) cannot be reached, or None. One TCP
+    connect with a short timeout: huggingface_hub's own client retries a refused or dead connection for
+    half a minute, printing "Retrying in 8s" as it goes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") if url.scheme == "https" else (
+        os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy"))
+    via = urlsplit(proxy if "://" in (proxy or "") else f"http://{proxy}") if proxy else url
+    host, port = via.hostname, via.port or (443 if via.scheme == "https" else 80)
+    if not host:
+        return None
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+    except OSError as e:
+        return f"cannot reach {host}:{port} ({e.strerror or type(e).__name__})"
+    return None
+
+
+def _offline(ref: str, why: str) -> SourceError:
+    return SourceError(f"{ref} is not in the local Hugging Face cache and the Hub is out of reach ({why}); "
+                       "download the .gguf file elsewhere and pass its path: -m /path/to/model.gguf")
 
 
 def _hf() -> ModuleType:

@@ -49,8 +49,8 @@ def render_text(backend: Backend, messages: Sequence[dict], add_generation_promp
 
     formatter = Jinja2ChatFormatter(
         template,
-        eos_token=getattr(backend, "eos_text", ""),
-        bos_token=getattr(backend, "bos_text", ""),
+        eos_token=backend.eos_text,
+        bos_token=backend.bos_text,
         add_generation_prompt=add_generation_prompt,
     )
     try:

@@ -17,11 +17,11 @@ printed for good.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from typing import TextIO
 
-from rich._wrap import divide_line
 from rich.cells import cell_len
 from rich.console import Console, Group
 from rich.live import Live
@@ -67,6 +67,34 @@ LEGEND_ITEMS = (
 
 # live rows kept below the committed text: the row being written and the one before it
 PENDING_ROWS = 2
+_WORD = re.compile(r"\s*\S+\s*")
+
+
+def row_starts(line: str, width: int) -> list[int]:
+    """Offsets where rows 2..n of `line` begin when the console word-wraps it at `width` cells (a word
+    longer than a row is folded), as Rich wraps text it prints."""
+    starts: list[int] = []
+    position = 0  # cells used on the current row
+    for m in _WORD.finditer(line):
+        start, word = m.start(), m.group()
+        length = cell_len(word.rstrip())
+        if width - position >= length:
+            position += cell_len(word)
+        elif length > width:  # fold: fill rows of `width` cells
+            if start:
+                starts.append(start)
+            row = 0
+            for i, ch in enumerate(word):
+                w = cell_len(ch)
+                if row + w > width:
+                    starts.append(start + i)
+                    row = 0
+                row += w
+            position = row
+        else:
+            starts.append(start)
+            position = cell_len(word)
+    return starts
 # at most this many redraws per second: the view runs between two decodes, so each redraw delays the
 # next one; what arrives in between is only appended to the reply (O(1) per token)
 REFRESH_PER_SECOND = 12
@@ -307,7 +335,7 @@ class LiveView:
         width = max(1, self.console.width)
         last_line = plain[cut:]
         if cell_len(last_line) > width:
-            breaks = divide_line(last_line, width, fold=True)  # offsets where rows 2..n start
+            breaks = row_starts(last_line, width)  # offsets where rows 2..n start
             if len(breaks) >= PENDING_ROWS:
                 cut += breaks[-PENDING_ROWS]
         if cut <= 0:

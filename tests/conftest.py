@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,3 +37,24 @@ def _isolated_home(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """`specchat ARGS` in this process: (returncode, stdout, stderr), as a subprocess would give them."""
+    from specchat import cli as cli_module
+
+    def run(*args: str, home=None, stdin: str | None = None, env: dict | None = None):
+        monkeypatch.setenv("SPECCHAT_HOME", str(home or tmp_path))
+        monkeypatch.delenv("SPECCHAT_CONFIG", raising=False)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode()), encoding="utf-8"))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli_module.main(list(args))
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=info.value.code, stdout=out.out, stderr=out.err)
+
+    return run

@@ -19,6 +19,12 @@ from specchat.sampling import SamplingParams, sample
 
 LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
 
+# a ChatML chat template (SmolLM2's and Qwen's shape), for fakes that need one
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # "é" is two UTF-8 bytes; byte_vocab() gives each its own token so the character spans two tokens
 E_ACUTE = "é".encode()
 assert len(E_ACUTE) == 2
@@ -86,6 +92,14 @@ class FakeBackend:
         self.truncations: list[int] = []
         self.removed: list[int] = []  # tokens each truncate call actually dropped (0 = no-op), parallel to truncations
         self._cache: dict[tuple[int, ...], np.ndarray] | None = {} if cache else None
+        # the rest of the protocol: no file, no threads, no GPU or RPC, no BOS/EOS text
+        self.path = None
+        self.n_threads = 0
+        self.n_gpu_layers = 0
+        self.rpc: tuple[str, ...] = ()
+        self.placement = None
+        self.bos_text = self.eos_text = ""
+        self.closed = False
 
     # -- the protocol --------------------------------------------------------------------------------
 
@@ -160,6 +174,12 @@ class FakeBackend:
     def is_eog(self, token: int) -> bool:
         return token in self.eog
 
+    def eog_tokens(self) -> tuple[int, ...]:
+        return tuple(sorted(self.eog))
+
+    def close(self) -> None:
+        self.closed = True
+
     @property
     def vocab(self) -> VocabInfo:
         pieces = self.pieces
@@ -229,6 +249,7 @@ class ScriptedDrafter:
     """
 
     kind = "scripted"
+    backend = None
 
     def __init__(
         self,

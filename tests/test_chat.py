@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from fakes import FakeBackend, ScriptedDrafter
+from fakes import CHATML, FakeBackend, ScriptedDrafter
 
 from specchat import chat, ui
 from specchat.engine import TokenEvent
@@ -21,10 +21,6 @@ from specchat.template import render
 
 N_VOCAB = 128
 EOG = 0
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def ascii_logits(ctx: tuple[int, ...]) -> np.ndarray:

@@ -1,11 +1,16 @@
-"""`specchat prompt` end to end, and every kind of bad input: one line on stderr, exit code 2, no traceback."""
+"""`specchat prompt` end to end, and every kind of bad input: one line on stderr, exit code 2, no traceback.
+
+Most run in-process (`cli.main` with captured output); the ones that must prove there is no crash and no
+llama.cpp log line on stderr, and the working runs, are a real subprocess."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -41,14 +46,14 @@ def smollm2_path():
 # --- bad input ----------------------------------------------------------------------------------
 
 
-def test_missing_model_file(tmp_path):
-    assert_user_error(specchat("prompt", "hi", "-m", str(tmp_path / "nope.gguf"), home=tmp_path), "not found", "nope.gguf")
+def test_missing_model_file(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "-m", str(tmp_path / "nope.gguf"), home=tmp_path), "not found", "nope.gguf")
 
 
-def test_non_gguf_file(tmp_path):
+def test_non_gguf_file(cli, tmp_path):
     fake = tmp_path / "fake.gguf"
     fake.write_text("this is not a model\n" * 10)
-    assert_user_error(specchat("prompt", "hi", "-m", str(fake), home=tmp_path), "not a GGUF file")
+    assert_user_error(cli("prompt", "hi", "-m", str(fake), home=tmp_path), "not a GGUF file")
 
 
 @pytest.mark.real
@@ -59,26 +64,26 @@ def test_truncated_gguf_file(tmp_path, smollm2_path):
     assert_user_error(specchat("prompt", "hi", "-m", str(truncated), home=tmp_path), "could not load", "truncated.gguf")
 
 
-def test_bad_models_toml(tmp_path):
+def test_bad_models_toml(cli, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[models.x]\npath = "a.gguf"\nhub = "o/r:Q4_K_M"\n')
-    result = specchat("prompt", "hi", home=tmp_path, env={"SPECCHAT_CONFIG": str(bad)})
+    result = cli("prompt", "hi", home=tmp_path, env={"SPECCHAT_CONFIG": str(bad)})
     assert_user_error(result, "bad.toml:", "models.x")
 
 
-def test_toml_syntax_error_names_the_line(tmp_path):
+def test_toml_syntax_error_names_the_line(cli, tmp_path):
     bad = tmp_path / "broken.toml"
     bad.write_text('[pairs.mine]\ntarget = "smollm2-135m"\ndraft = \n')
-    result = specchat("models", home=tmp_path, env={"SPECCHAT_CONFIG": str(bad)})
+    result = cli("models", home=tmp_path, env={"SPECCHAT_CONFIG": str(bad)})
     assert_user_error(result, "broken.toml:3")
 
 
-def test_unknown_pair(tmp_path):
-    assert_user_error(specchat("prompt", "hi", "--pair", "no-such-pair", home=tmp_path), "no-such-pair", "default")
+def test_unknown_pair(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "--pair", "no-such-pair", home=tmp_path), "no-such-pair", "default")
 
 
-def test_unknown_model_name(tmp_path):
-    assert_user_error(specchat("prompt", "hi", "-m", "no-such-model", home=tmp_path), "no-such-model")
+def test_unknown_model_name(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "-m", "no-such-model", home=tmp_path), "no-such-model")
 
 
 @pytest.mark.parametrize(
@@ -107,16 +112,16 @@ def test_unknown_model_name(tmp_path):
         (["--no-such-flag"], "--no-such-flag"),
     ],
 )
-def test_nonsense_option_values(tmp_path, args, needle):
-    assert_user_error(specchat("prompt", "hi", *args, home=tmp_path), needle)
+def test_nonsense_option_values(cli, tmp_path, args, needle):
+    assert_user_error(cli("prompt", "hi", *args, home=tmp_path), needle)
 
 
-def test_empty_prompt(tmp_path):
-    assert_user_error(specchat("prompt", "   ", home=tmp_path), "empty prompt")
+def test_empty_prompt(cli, tmp_path):
+    assert_user_error(cli("prompt", "   ", home=tmp_path), "empty prompt")
 
 
-def test_empty_prompt_from_stdin(tmp_path):
-    assert_user_error(specchat("prompt", "-", home=tmp_path, stdin=""), "empty prompt")
+def test_empty_prompt_from_stdin(cli, tmp_path):
+    assert_user_error(cli("prompt", "-", home=tmp_path, stdin=""), "empty prompt")
 
 
 @pytest.mark.real
@@ -170,5 +175,77 @@ def test_prompt_from_stdin_plain_output(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["nope", "", "SLEMX"])
-def test_bad_cross_vocab_rule(tmp_path, value):
-    assert_user_error(specchat("prompt", "hi", "--cross-vocab", value, home=tmp_path), "--cross-vocab", "slem")
+def test_bad_cross_vocab_rule(cli, tmp_path, value):
+    assert_user_error(cli("prompt", "hi", "--cross-vocab", value, home=tmp_path), "--cross-vocab", "slem")
+
+
+# --- bad input, second round ---------------------------------------------------------------------------
+
+
+def test_prompt_that_is_not_utf8(cli, tmp_path):
+    # what Python makes of the bytes b"caf\xe9" in argv (surrogateescape)
+    assert_user_error(cli("prompt", "caf\udce9"), "not valid UTF-8", "0xe9")
+    assert_user_error(cli("prompt", "hi", "--system", "x\udcff"), "--system", "not valid UTF-8")
+
+
+def test_prompt_bytes_that_are_not_utf8_end_to_end(tmp_path):
+    environment = {**os.environ, "SPECCHAT_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "specchat.cli", "prompt", b"caf\xe9"], capture_output=True,
+                            text=True, env=environment, timeout=120)
+    assert_user_error(result, "not valid UTF-8", "0xe9")
+    stdin = subprocess.run([sys.executable, "-m", "specchat.cli", "prompt", "-"], input=b"caf\xe9", capture_output=True,
+                           env=environment, timeout=120)
+    assert stdin.returncode == 2 and b"on stdin is not valid UTF-8" in stdin.stderr and b"Traceback" not in stdin.stderr
+
+
+def test_empty_stop_string(cli):
+    assert_user_error(cli("prompt", "hi", "--stop", ""), "--stop", "empty")
+
+
+@pytest.mark.parametrize("threads", ["100000", "513"])
+def test_threads_beyond_ggml_limit(cli, threads):
+    assert_user_error(cli("prompt", "hi", "-t", threads), "--threads", "1..512")
+
+
+def test_hub_path_outside_the_repo_is_refused_at_once(cli):
+    started = time.perf_counter()
+    assert_user_error(cli("prompt", "hi", "-m", "owner/repo:../../etc/passwd"), "not a file name inside the repository")
+    assert time.perf_counter() - started < 5
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hub_without_network_is_one_line_within_seconds(tmp_path):
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HOME": str(tmp_path / "hf")}
+    for ref in ("bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M", "owner/repo:model.gguf"):
+        started = time.perf_counter()
+        result = specchat("prompt", "hi", "-m", ref, home=tmp_path, env=env, timeout=60)
+        assert time.perf_counter() - started < 10
+        assert_user_error(result, ref, "not in the local Hugging Face cache", "-m /path/to/model.gguf")
+        assert "Retrying" not in result.stderr
+
+
+@pytest.mark.real
+def test_context_too_big_for_memory_names_the_trained_context(tmp_path):
+    # a subprocess: llama.cpp must not print its own log lines, nor the process crash
+    assert_user_error(specchat("prompt", "hi", "-c", "99999999", home=tmp_path),
+                      "cannot allocate the KV cache for -c 99999999", "trained for 8192")
+
+
+@pytest.mark.real
+def test_threads_beyond_the_limit_do_not_reach_llama_cpp(tmp_path):
+    assert_user_error(specchat("prompt", "hi", "-t", "100000", home=tmp_path), "1..512")
+
+
+@pytest.mark.real
+def test_models_prints_no_llama_log_and_text_as_written(tmp_path):
+    # the user's own home: a fresh one would join the split models' files first (a notice on stderr)
+    result = subprocess.run([sys.executable, "-m", "specchat.cli", "models"], capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "250"}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "llama" not in result.stderr and "n_ctx" not in result.stderr, result.stderr
+    assert "the [models] extra" in result.stdout

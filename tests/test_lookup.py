@@ -14,7 +14,8 @@ from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
 from specchat.policy import (
     AcceptanceStore,
-    AdaptivePolicy,
+    HybridPolicy,
+    LookupPolicy,
     CostModel,
     FixedPolicy,
     LookupAcceptance,
@@ -154,7 +155,7 @@ def test_a_fresh_short_match_does_not_borrow_the_record_of_copied_spans():
 
 
 def test_long_matches_learn_long_drafts_short_ones_do_not():
-    policy = AdaptivePolicy(GPU, kind="prompt-lookup", draft_max=64)
+    policy = LookupPolicy(GPU, draft_max=64)
     long_tokens, short_tokens = list(range(64)), list(range(64))
     for _ in range(30):
         n = policy.trim(long_tokens, confidence=24)
@@ -169,7 +170,7 @@ def test_long_matches_learn_long_drafts_short_ones_do_not():
 
 
 def trained_policy(store):
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=store)
+    policy = LookupPolicy(CPU, draft_max=64, store=store)
     tokens = list(range(64))
     for _ in range(40):
         n = policy.trim(tokens, confidence=20)
@@ -180,22 +181,22 @@ def trained_policy(store):
 def test_a_fresh_process_starts_from_what_earlier_runs_learned(tmp_path):
     path = tmp_path / "acceptance.json"
     tokens = list(range(64))
-    cold = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64).trim(tokens, confidence=20)
+    cold = LookupPolicy(CPU, draft_max=64).trim(tokens, confidence=20)
     trained = trained_policy(AcceptanceStore(path, "target|prompt-lookup"))
     trained.finish()
-    warm = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
+    warm = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
     assert warm.trim(tokens, confidence=20) > cold
     # discounted: at most TRUST observations per bucket carry over
     assert 0 < warm.lookup.tries.max() <= AcceptanceStore.TRUST + 1e-9
     # another target or drafter does not see them
-    other = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "other|prompt-lookup"))
+    other = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "other|prompt-lookup"))
     assert other.lookup.tries.sum() == 0
 
 
 def test_estimates_are_not_trusted_blindly(tmp_path):
     path = tmp_path / "acceptance.json"
     trained_policy(AcceptanceStore(path, "k")).finish()
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    policy = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
     tokens = list(range(64))
     for _ in range(12):  # this conversation is different: long matches are now rejected at once
         n = policy.trim(tokens, confidence=20)
@@ -233,7 +234,7 @@ HITS_BAD, HITS_NEG, TRIES_ONE = _table(5), _table(-1), _table(1)  # more hits th
 def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, content):
     path = tmp_path / "acceptance.json"
     path.write_bytes(content)
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    policy = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
     assert policy.lookup.tries.sum() == 0  # nothing malformed was taken in
     tokens = list(range(16))
     for _ in range(2):  # the second lookup is the first one kept (after an accepted one)
@@ -242,7 +243,7 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, conte
     policy.finish()
     doc = json.loads(path.read_text())
     assert doc["version"] == AcceptanceStore.VERSION and "k" in doc["entries"]
-    again = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    again = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
     assert again.lookup.tries.sum() > 0
 
 
@@ -259,7 +260,7 @@ def test_engine_saves_estimates_when_a_generation_ends(tmp_path):
     path = tmp_path / "acceptance.json"
     wanted = [1, 2, 3, 4, 5, 6] * 6
     target = FakeBackend(lambda ctx: np.eye(8)[wanted[len(ctx) % len(wanted)]] * 9, 8)
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=64, store=AcceptanceStore(path, "k"))
+    policy = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
     for _ in generate(target, PromptLookup(), wanted[:12], GREEDY, max_tokens=20, policy=policy):
         pass
     assert AcceptanceStore(path, "k").load()
@@ -269,7 +270,7 @@ def test_engine_saves_estimates_when_a_generation_ends(tmp_path):
 
 
 def hybrid_policy(verify, draft_cost, model_hits=None):
-    policy = AdaptivePolicy(verify, kind="hybrid", draft_max=16, draft_cost=draft_cost)
+    policy = HybridPolicy(verify, draft_max=16, draft_cost=draft_cost)
     if model_hits is not None:
         for _ in range(40):
             policy.model_acceptance.record(int(8 * model_hits), 8)

@@ -11,7 +11,8 @@ from specchat.drafters import PromptLookup
 from specchat.engine import Finished, generate
 from specchat.policy import (
     DRAFT_MARGIN,
-    AdaptivePolicy,
+    DraftModelPolicy,
+    LookupPolicy,
     CostModel,
     LOOKUP_BUCKETS,
     FixedPolicy,
@@ -85,7 +86,7 @@ def test_best_length_is_exactly_the_argmax_of_the_formula():
 
 def test_draft_model_as_costly_as_the_target_is_never_used():
     """A self-pair on a CPU: each draft token costs a full target token, so no k can win."""
-    policy = AdaptivePolicy(CPU, kind="draft-model", draft_max=16, draft_cost=CostModel([1, 2], [0.015, 0.025]))
+    policy = DraftModelPolicy(CPU, draft_max=16, draft_cost=CostModel([1, 2], [0.015, 0.025]))
     for _ in range(5):
         policy.observe(step(4, 4), [1, 2, 3, 4], [1, 2, 3, 4, 5])  # even when everything is accepted
     assert policy.plan(16) == 0
@@ -93,7 +94,7 @@ def test_draft_model_as_costly_as_the_target_is_never_used():
 
 def test_cheap_draft_model_is_used_while_it_is_accepted_and_dropped_when_not():
     cheap = CostModel([1, 2], [0.002, 0.004])  # a draft token costs a tenth of a target token
-    policy = AdaptivePolicy(GPU, kind="draft-model", draft_max=8, draft_cost=cheap)
+    policy = DraftModelPolicy(GPU, draft_max=8, draft_cost=cheap)
     assert policy.plan(8) > 0  # optimistic prior: try it
     for _ in range(40):
         policy.observe(step(policy.plan(8), 0), [1], [9])  # every first draft rejected
@@ -102,7 +103,7 @@ def test_cheap_draft_model_is_used_while_it_is_accepted_and_dropped_when_not():
 
 
 def test_lookup_trim_learns_from_real_verifications():
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=16)
+    policy = LookupPolicy(CPU, draft_max=16)
     proposal = list(range(10, 22))
     assert policy.plan(16) == 16  # lookup is free: always look, then trim
     assert policy.trim(proposal, confidence=4) == 0  # prior alone does not pay on this CPU
@@ -124,7 +125,7 @@ def test_lookup_trim_learns_from_real_verifications():
 def test_shadow_learning_turns_drafting_on_without_ever_drafting():
     """With k = 0 the proposals are still checked against what the target emits: when they keep
     coming true, the policy starts drafting."""
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=16)
+    policy = LookupPolicy(CPU, draft_max=16)
     text = list(range(100, 160))
     drafted_at = None
     for i in range(40):
@@ -138,7 +139,7 @@ def test_shadow_learning_turns_drafting_on_without_ever_drafting():
 
 
 def test_shadow_does_not_count_a_repeated_span_twice():
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=16)
+    policy = LookupPolicy(CPU, draft_max=16)
     text = list(range(100, 120))
     for i in range(5):
         proposal = text[i : i + 8]
@@ -183,7 +184,7 @@ def test_engine_with_adaptive_policy_stays_lossless_and_records_draft_lengths():
     logits = script_logits(vocab, len(prompt), wanted)
     target = FakeBackend(logits, vocab, n_ctx=512)
     reference = FakeBackend(logits, vocab, n_ctx=512)
-    policy = AdaptivePolicy(GPU, kind="prompt-lookup", draft_max=8)
+    policy = LookupPolicy(GPU, draft_max=8)
     greedy = SamplingParams(temperature=0.0)
     events = list(generate(target, PromptLookup(1, 4), prompt, greedy, max_tokens=40, policy=policy))
     plain = list(generate(reference, None, prompt, greedy, max_tokens=40))
@@ -206,7 +207,7 @@ def test_per_step_overhead_favours_longer_drafts():
 def test_policy_measures_overhead_outside_draft_and_verify():
     import time as _time
 
-    policy = AdaptivePolicy(CPU, kind="prompt-lookup", draft_max=8)
+    policy = LookupPolicy(CPU, draft_max=8)
     for _ in range(30):
         policy.observe(step(0, 0, verify=0.0), [], [1])
         _time.sleep(0.004)  # the consumer's time between steps
@@ -221,10 +222,10 @@ def test_useless_draft_model_is_not_even_prefilled():
     logits = script_logits(vocab, 4, [5, 6, 7, 8, 9])
     target = FakeBackend(logits, vocab)
     drafter, draft_backend = make_draft_model(logits, vocab)
-    policy = AdaptivePolicy(CPU, kind="draft-model", draft_max=8, draft_cost=CostModel([1, 2], [0.015, 0.025]))
+    policy = DraftModelPolicy(CPU, draft_max=8, draft_cost=CostModel([1, 2], [0.015, 0.025]))
     assert not policy.drafting_possible
     events = list(generate(target, drafter, [1, 2, 3, 4], SamplingParams(temperature=0.0), max_tokens=5, policy=policy))
     assert events[-1].token_ids == [5, 6, 7, 8, 9]
     assert draft_backend.evaluated == 0
-    cheap = AdaptivePolicy(GPU, kind="draft-model", draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]))
+    cheap = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]))
     assert cheap.drafting_possible

@@ -26,31 +26,31 @@ ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-# -- --draft-max -------------------------------------------------------------------------------------
+# -- --sweep -------------------------------------------------------------------------------------------
 
 
 def test_draft_max_list_sorted_with_baseline_first_and_policy_last():
-    settings = rp.parse_draft_max("policy, 4,2,0,4")
+    settings = rp.parse_sweep("policy, 4,2,0,4")
     assert [s.name for s in settings] == ["target-only", "k=2", "k=4", "policy"]
     assert [s.k for s in settings] == [0, 2, 4, None]
     assert settings[0].is_baseline and not settings[-1].is_baseline
 
 
 def test_draft_max_adds_the_baseline_when_not_listed():
-    assert [s.name for s in rp.parse_draft_max("3")] == ["target-only", "k=3"]
-    assert [s.name for s in rp.parse_draft_max("POLICY")] == ["target-only", "policy"]
+    assert [s.name for s in rp.parse_sweep("3")] == ["target-only", "k=3"]
+    assert [s.name for s in rp.parse_sweep("POLICY")] == ["target-only", "policy"]
 
 
 @pytest.mark.parametrize("text", ["2,x", "-1", "2,,4", "1.5", ""])
 def test_draft_max_bad_item_is_one_line(text):
     with pytest.raises(UserError) as info:
-        rp.parse_draft_max(text)
-    assert "--draft-max" in str(info.value) and "\n" not in str(info.value)
+        rp.parse_sweep(text)
+    assert "--sweep" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_draft_max_with_only_zero_has_nothing_to_compare():
     with pytest.raises(UserError, match="nothing to compare"):
-        rp.parse_draft_max("0")
+        rp.parse_sweep("0")
 
 
 # -- prompt sets -------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ def test_run_report_alternates_order_resets_caches_and_continues_with_the_baseli
         return [ord(ch) % n_vocab for ch in text if ch.isalpha()], []
 
     items = [rp.PromptItem("one", "a", ("abcdefghij",)), rp.PromptItem("two", "b", ("klmno", "pqrst"))]
-    settings = rp.parse_draft_max("3,policy")
+    settings = rp.parse_sweep("3,policy")
     started = []
     records = rp.run_report(
         target, drafter, items, settings, SamplingParams(temperature=0.0, seed=1), max_tokens=10, render=render,
@@ -360,7 +360,7 @@ def test_run_report_alternates_order_resets_caches_and_continues_with_the_baseli
 
 
 def test_outputs_written_json_markdown_png(tmp_path):
-    settings = rp.parse_draft_max("2")
+    settings = rp.parse_sweep("2")
     items = [rp.PromptItem("p1", "a", ("x",)), rp.PromptItem("p2", "b", ("y",))]
     doc = rp.build_doc(hand_records(), target="T", drafter="D", drafter_kind="draft-model", settings=settings,
                        items=items, source="test", params=SamplingParams(temperature=0.0, seed=0), max_tokens=8)
@@ -409,26 +409,31 @@ def assert_user_error(proc, *fragments):
         assert fragment in lines[0]
 
 
-def test_cli_bad_inputs_are_one_line_exit_2(tmp_path):
+def test_cli_bad_inputs_are_one_line_exit_2(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out is relative
+
+    def report(*args):
+        return cli("report", *args, env={"NO_COLOR": "1", "COLUMNS": "120"})
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "turns": ["ok"]}\n{"id": "b", "turns": "not a list"}\n')
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
-    assert_user_error(run_cli(["--prompts", str(tmp_path / "missing.jsonl")], tmp_path), "missing.jsonl", "no such file")
-    assert_user_error(run_cli(["--prompts", str(bad)], tmp_path), f"{bad}:2:", "turns")
-    assert_user_error(run_cli(["--prompts", str(empty)], tmp_path), "no prompts")
-    assert_user_error(run_cli(["--out", str(blocker / "sub")], tmp_path), "--out", "cannot write")
-    assert_user_error(run_cli(["--draft-max", "2,four"], tmp_path), "--draft-max", "'four'")
-    assert_user_error(run_cli(["--category", "poetry"], tmp_path), "poetry", "conversation")
+    assert_user_error(report("--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl", "no such file")
+    assert_user_error(report("--prompts", str(bad)), f"{bad}:2:", "turns")
+    assert_user_error(report("--prompts", str(empty)), "no prompts")
+    assert_user_error(report("--out", str(blocker / "sub")), "--out", "cannot write")
+    assert_user_error(report("--sweep", "2,four"), "--sweep", "'four'")
+    assert_user_error(report("--category", "poetry"), "poetry", "conversation")
     assert not (tmp_path / "specchat-report").exists()
 
 
 @pytest.mark.real
 def test_real_report_on_the_default_pair(tmp_path):
     out = tmp_path / "rep"
-    proc = run_cli(["--limit", "3", "-n", "12", "--draft-max", "0,4,policy", "--out", str(out)], tmp_path)
+    proc = run_cli(["--limit", "3", "-n", "12", "--sweep", "0,4,policy", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "Recommended overall" in proc.stdout and str(out / "report.json") in proc.stdout

@@ -276,12 +276,16 @@ def test_cost_model_is_keyed_per_endpoint_set():
 
     from specchat.policy import cost_cache_key
 
+    import hashlib
+
     base = dict(path="/nonexistent/x.gguf", name="x", n_threads=2, n_gpu_layers=-1)
     local = cost_cache_key(SimpleNamespace(**base, rpc=()))
     one = cost_cache_key(SimpleNamespace(**base, rpc=("127.0.0.1:1",)))
     other = cost_cache_key(SimpleNamespace(**base, rpc=("127.0.0.1:2",)))
     assert len({local, one, other}) == 3
-    assert cost_cache_key(SimpleNamespace(**base)) == local  # keys of local models did not change
+    # keys of local models did not change: the key from before RPC existed
+    before_rpc = hashlib.sha1(b"/nonexistent/x.gguf|threads=2|ngl=-1").hexdigest()[:16]
+    assert before_rpc == local
 
 
 @needs_rpc

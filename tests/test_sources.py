@@ -9,6 +9,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants, errors
 
+from specchat import sources
 from specchat.config import ModelSpec
 from specchat.sources import SourceError, describe, is_present, resolve
 
@@ -17,6 +18,8 @@ from specchat.sources import SourceError, describe, is_present, resolve
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    # these tests fake the Hub: it is reachable whatever this machine's network (the probe: test_cli)
+    monkeypatch.setattr(sources, "_hub_unreachable", lambda: None)
 
 
 def hub(ref: str) -> ModelSpec:

@@ -247,3 +247,21 @@ def test_redraws_are_batched_between_refreshes(monkeypatch):
     assert len(refreshes) == 2 and refreshes[-1].endswith("w29 last")
     view.end()
     assert "w0 w1" in ANSI.sub("", buf.getvalue()) and "last" in ANSI.sub("", buf.getvalue())
+
+
+def test_row_starts_wraps_like_the_console():
+    from specchat.ui import row_starts
+
+    assert row_starts("hello world", 20) == []
+    assert row_starts("hello world", 8) == [6]  # "hello " then "world"
+    assert row_starts("abcdefghij", 4) == [4, 8]  # a word longer than a row is folded
+    assert row_starts("ab abcdefghij", 4) == [3, 7, 11]
+    assert row_starts("世界世界", 4) == [2]  # two cells per character
+    from rich.console import Console
+
+    console = Console(width=8, file=io.StringIO(), color_system=None)
+    console.print("hello world again", soft_wrap=False)
+    rows = console.file.getvalue().splitlines()
+    starts = row_starts("hello world again", 8)
+    text = "hello world again"
+    assert [r.rstrip() for r in rows] == [text[a:b].rstrip() for a, b in zip([0, *starts], [*starts, len(text)])]

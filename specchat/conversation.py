@@ -1,0 +1,165 @@
+"""A conversation whose KV caches carry over from turn to turn: the chat as a library object.
+
+KV reuse. `Conversation` keeps the exact token ids the target has seen (every prompt as sent plus every
+token generated) and the text they stand for, instead of re-tokenising old replies: BPE can tokenise a
+reply's text differently from the ids that were generated, and one differing token early on would
+invalidate the whole cache after it. A new turn renders the conversation with the new user message; when
+that text starts with the text already held, only the difference (the template's end of the last turn,
+the new message, the generation prompt) is tokenised and appended to the held ids. `engine.generate`
+then syncs the target to the new prompt by common prefix, so the turn evaluates only its new tokens. If
+the rendering does not extend what is held (a template that rewrites earlier turns, a changed system
+message, turns dropped for room) the whole conversation is tokenised again and sync still reuses
+whatever prefix survives.
+
+Models without a chat template (gemma-3-270m is a base model) use template.FALLBACK: a plain
+"User: ... / Assistant: ..." transcript that stops at the next "\\nUser:".
+
+    conv = specchat.Conversation(pair.target, pair.drafter, params=specchat.SamplingParams(temperature=0))
+    for event in conv.send("Name three rivers."):   # TokenEvent ..., StepEvent ..., Finished
+        ...
+    for event in conv.send("Which is longest?"):    # evaluates only this turn's new tokens
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import Backend
+from .drafters import Drafter
+from .engine import MAX_TOKENS, Finished, generate
+from .policy import Policy
+from .sampling import SamplingParams
+from .template import FALLBACK_STOP, render_text
+
+
+@dataclass
+class Prepared:
+    """The prompt for one turn."""
+
+    user: str
+    ids: list[int]
+    text: str
+    reused: int  # leading ids carried over from the previous turn as they were (not re-tokenised)
+
+
+class Conversation:
+    """The messages of a chat and the exact ids the target holds for them. `send` runs a turn through
+    `engine.generate` and yields its events; `prepare` / `fit` / `commit` are the steps, for callers
+    that drive generation themselves (the terminal chat, which can be interrupted mid-reply)."""
+
+    def __init__(self, target: Backend, drafter: Drafter | None = None, *, system: str | None = None,
+                 params: SamplingParams | None = None, max_tokens: int = MAX_TOKENS, policy: Policy | None = None,
+                 stop: Sequence[str] = ()):
+        self.target = target
+        self.drafter = drafter
+        self.params = params if params is not None else SamplingParams()
+        self.max_tokens = max_tokens
+        self.policy = policy
+        self.extra_stop = list(stop)
+        self.rng = np.random.default_rng(self.params.seed)
+        self.system = system or None
+        self.turns: list[dict] = []  # user / assistant messages, alternating, oldest first
+        self.templated = bool(target.chat_template)
+        self._text = ""  # what the target has seen, as text ...
+        self._ids: list[int] = []  # ... and as the exact ids
+
+    @property
+    def messages(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._ids)
+
+    @property
+    def stops(self) -> list[str]:
+        return [] if self.templated else list(FALLBACK_STOP)
+
+    def forget_tokens(self) -> None:
+        """The next turn tokenises the whole conversation again (the held prefix no longer applies)."""
+        self._text, self._ids = "", []
+
+    def set_system(self, system: str | None) -> None:
+        self.system = system or None
+        self.forget_tokens()
+
+    def reset(self) -> None:
+        self.turns = []
+        self.forget_tokens()
+
+    def _tokenize_all(self, text: str) -> list[int]:
+        if self.templated:  # the template writes BOS itself where the model wants one
+            return self.target.tokenize(text, add_special=False, parse_special=True)
+        return self.target.tokenize(text, add_special=True)
+
+    def prepare(self, user: str) -> Prepared:
+        text = render_text(self.target, [*self.messages, {"role": "user", "content": user}], True)
+        if self._ids and text.startswith(self._text):
+            new = self.target.tokenize(text[len(self._text):], add_special=False, parse_special=self.templated)
+            return Prepared(user, self._ids + new, text, len(self._ids))
+        return Prepared(user, self._tokenize_all(text), text, 0)
+
+    def fit(self, user: str, room: int) -> tuple[Prepared, int]:
+        """Prepare the turn, dropping the oldest user/assistant pairs (never the system message) until
+        the prompt plus `room` tokens for the reply fit the context. Returns (prompt, turns dropped)."""
+        dropped = 0
+        while True:
+            prepared = self.prepare(user)
+            if len(prepared.ids) + room <= self.target.n_ctx or not self.turns:
+                return prepared, dropped
+            self.turns = self.turns[2:]
+            dropped += 1
+            self.forget_tokens()
+
+    def commit(self, prepared: Prepared, reply: str, generated: Sequence[int]) -> dict:
+        """Record the turn. The held ids become exactly what the target saw: prompt + generated."""
+        content = reply if self.templated else reply.strip()
+        message = {"role": "assistant", "content": content}
+        self.turns += [{"role": "user", "content": prepared.user}, message]
+        # Hold only the generated ids whose text is part of the reply: a reply cut at a stop string
+        # ("\nAssistant:") generated that string's tokens too, and holding them would stop the next
+        # rendering from extending the held text. Those few tokens are rolled back at the next sync.
+        kept, seen = [], b""
+        for token in generated:
+            piece = seen + self.target.token_bytes(token)
+            if not reply.encode("utf-8").startswith(piece):
+                break
+            kept.append(token)
+            seen = piece
+        self._ids = prepared.ids + kept
+        self._text = prepared.text + seen.decode("utf-8", "replace")
+        return message
+
+    def restore(self, turns: Sequence[dict]) -> list[int]:
+        """Load earlier turns (--resume); returns the ids that hold them, for one prefill."""
+        self.turns = [dict(role=m["role"], content=m["content"]) for m in turns]
+        self.forget_tokens()
+        if self.turns:
+            self._text = render_text(self.target, self.messages, False)
+            self._ids = self._tokenize_all(self._text)
+        return self.ids
+
+    def room(self, max_tokens: int) -> int:
+        """Tokens kept free for a reply when old turns must be dropped: the reply, at most half the context."""
+        return min(max_tokens, max(1, self.target.n_ctx // 2))
+
+    def send(self, user: str, *, max_tokens: int | None = None) -> Iterator:
+        """One turn: yields the engine's events (TokenEvent, StepEvent, then Finished) and records the
+        reply when Finished arrives. Oldest exchanges are dropped when the context is full."""
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        prepared, _ = self.fit(user, self.room(max_tokens))
+        events = generate(self.target, self.drafter, prepared.ids, self.params, max_tokens=max_tokens,
+                          stop=self.stops + self.extra_stop, policy=self.policy, rng=self.rng)
+        try:
+            for event in events:
+                if isinstance(event, Finished):
+                    self.commit(prepared, event.text, event.token_ids)
+                yield event
+        finally:
+            events.close()
+
+    prompt = send  # the name simonw/llm uses for the same thing

@@ -1,0 +1,135 @@
+"""`specchat report`, the command: parse, load, run, aggregate, write, print."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import options as opt
+from ..policy import FixedPolicy, Policy, make_policy
+from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting, load_prompts, parse_sweep, select_prompts
+from .render import (TERMINAL_POSITIONS, _num, _times, build_doc, check_out_dir, rich_tables, table_specs, usage_hint,
+                     write_outputs)
+from .run import run_report, warm_up
+
+
+# -- the command -------------------------------------------------------------------------------------
+
+REPORT = "Report"
+
+
+@opt.run_args(
+    # report always runs target-only as its baseline: --no-spec would leave nothing to compare
+    exclude=("no_spec",),
+    defaults={"max_tokens": 128, "temp": 0.0, "seed": 0},
+    help={
+        "temp": "Temperature. Default 0 (greedy) so the runs compared are alike; a seeded temperature > 0 measures sampled acceptance.",
+        "draft_max": "Most tokens the `policy` setting drafts per step (0 = no drafting); the policy picks k up to it.",
+        "draft_fixed": "Also run a fixed draft length of N tokens (added to --sweep).",
+        "lookup_history": "Keep this run's replies as a prompt-lookup source for later chats and prompts. The report never reads them itself, so it measures the same thing each time.",
+    },
+)
+def report_command(
+    run: opt.RunArgs,
+    sweep: Annotated[str, typer.Option("--sweep", help="Settings to compare: comma-separated fixed draft lengths (0 = target-only) and/or `policy` (the adaptive default, up to --draft-max). Target-only always runs. Example: 0,2,4,6,8,policy.", rich_help_panel=opt.SPEC)] = POLICY,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="Prompt file: JSONL {\"id\", \"category\", \"turns\": [...]} (several turns run as a conversation) or one prompt per line. Default: the built-in set (36 prompts, 6 kinds of work).", rich_help_panel=REPORT, show_default=False)] = None,
+    category: Annotated[list[str] | None, typer.Option("--category", help="Only prompts of this category (repeatable).", rich_help_panel=REPORT, show_default=False)] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N prompts (the built-in set interleaves categories).", rich_help_panel=REPORT, show_default=False)] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md and report.png.", rich_help_panel=REPORT)] = Path("specchat-report"),
+    no_color: opt.NoColor = False,
+) -> None:
+    """Measure whether speculation pays for this target and drafter here, and at what setting.
+
+    Each prompt runs target-only and with every --sweep setting: same seed, order alternated.
+    Per category and overall: acceptance, tau, per-position acceptance, accepted-length histogram,
+    tok/s, measured speedup (generation and end-to-end), draft share, a PROJECTED GPU-like speedup.
+    Recommends the setting with the best measured end-to-end speedup.
+    Writes report.json (every run), report.md and report.png to --out. Greedy (--temp 0) by default.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from ..config import load_config
+    from ..runner import loading, run_options
+    from ..template import render
+
+    settings = parse_sweep(sweep, () if run.draft_fixed is None else (run.draft_fixed,))
+    items, source = load_prompts(prompts)
+    items = select_prompts(items, category, limit)
+    check_out_dir(out)
+    config = load_config()
+    keep_replies = run.lookup_history
+    # every setting is explicit (--draft-fixed is one of them); the report never reads earlier replies
+    run = run_options(config, dataclasses.replace(run, draft_fixed=None, lookup_history=False))
+    err = Console(stderr=True, no_color=no_color)
+    console = Console(no_color=no_color)
+    with loading(config, run, err) as loaded:
+        params = run.for_target(loaded.target)
+
+        def render_messages(messages: list[dict]) -> tuple[list[int], list[str]]:
+            rendered = render(loaded.target, messages)
+            return rendered.token_ids, rendered.stop + run.stop
+
+        def policy_for(setting: Setting) -> Policy:
+            if setting.k is None:
+                return make_policy(loaded, run.draft_max, None)
+            return FixedPolicy(setting.k)
+
+        total = sum(len(i.turns) for i in items) * len(settings)
+        progress = Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=True,
+            disable=not err.is_terminal,
+        )
+        with progress:
+            task = progress.add_task("warming up", total=total)
+            warm_up(loaded.target, loaded.drafter, items[0], settings, params, render_messages, policy_for)
+
+            def on_start(item: PromptItem, turn: int, setting: Setting) -> None:
+                label = item.id + (f" turn {turn + 1}" if len(item.turns) > 1 else "")
+                progress.update(task, description=f"{label} · {setting.name}")
+
+            records = run_report(
+                loaded.target, loaded.drafter, items, settings, params, max_tokens=run.max_tokens,
+                render=render_messages, policy_for=policy_for, on_start=on_start,
+                on_run=lambda *a: progress.advance(task),
+            )
+        from ..crossvocab import rule_info, rule_label
+
+        rule = rule_label(loaded.drafter, run.params)
+        doc = build_doc(
+            records, target=loaded.target_spec.name,
+            drafter=loaded.drafter_label + (f" ({rule})" if rule else ""),
+            drafter_kind=loaded.drafter.kind if loaded.drafter is not None else None, settings=settings,
+            items=items, source=source, params=params, max_tokens=run.max_tokens, threads=loaded.target.n_threads,
+        )
+        if rule:
+            doc["cross_vocab"] = rule_info(loaded.drafter, run.params)
+    paths = write_outputs(doc, out)
+    if keep_replies:
+        from ..history import save_replies
+
+        save_replies((r.text for r in records if r.setting == BASELINE), target=loaded.target_spec.name)
+    console.print(f"[bold]{doc['target']}[/] drafted by [bold]{doc['drafter']}[/] · {len(items)} prompts · "
+                  f"{len(records)} runs · max {run.max_tokens} tokens · temp {run.params.temperature}")
+    detail = table_specs(doc, max_positions=TERMINAL_POSITIONS, compact=True)
+    overall = table_specs(doc, categories=[ALL], max_positions=TERMINAL_POSITIONS, compact=True)
+    for table in rich_tables(detail[:2] + overall[2:]):  # positions and histogram: overall rows only
+        console.print(table)
+    rec = doc["recommended"][ALL]
+    if rec["worth_it"]:
+        console.print(f"Recommended overall: [bold green]{rec['setting']}[/] "
+                      f"({_times(rec['speedup_end_to_end'])} end-to-end, {_times(rec['speedup_generation'])} "
+                      f"generation; run with {usage_hint(rec['setting'])})")
+    else:
+        console.print("Recommended overall: [bold]target-only[/] — no setting beat plain decoding on this machine")
+    pr = (doc.get("projected") or {}).get(ALL)
+    if pr is not None:
+        console.print(f"Projected on a GPU-like machine: draft k = {pr['k']}, {_times(pr['speedup'])}; drafting pays "
+                      f"where the draft costs < {_num(pr['break_even_cost_ratio'])}x the target per token "
+                      f"(c = {_num(pr['draft_cost_ratio'])} here) ({doc['projection_assumption']})", markup=False)
+    for kind, path in paths.items():
+        console.print(f"{kind:>8}: {path}")

@@ -1,0 +1,170 @@
+"""Running a report: drive `engine.generate` for every prompt, turn and setting, and keep each event
+stream as a typed `RunRecord`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..backend import Backend, BackendError
+from ..drafters import Drafter
+from ..engine import Finished, TokenEvent, generate
+from ..policy import Policy
+from ..runner import UserError
+from ..sampling import SamplingParams
+from ..stats import RunStats
+from .prompts import BASELINE, PromptItem, Setting
+
+
+# -- one run -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunRecord:
+    """One generation: a prompt's turn under one setting."""
+
+    prompt_id: str
+    category: str
+    turn: int
+    setting: str
+    order: int  # position of this run among the settings of its turn (0 = ran first)
+    stats: RunStats
+    finish_reason: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    sources: dict[str, int] = field(default_factory=dict)  # emitted tokens by where they came from
+    matches_baseline: bool | None = None  # same tokens as target-only (None for target-only itself)
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_id": self.prompt_id,
+            "category": self.category,
+            "turn": self.turn,
+            "setting": self.setting,
+            "order": self.order,
+            "finish_reason": self.finish_reason,
+            "matches_baseline": self.matches_baseline,
+            "sources": dict(sorted(self.sources.items())),
+            "stats": stats_dict(self.stats),
+            "text": self.text,
+        }
+
+
+def stats_dict(stats: RunStats) -> dict:
+    """RunStats.as_dict() plus the raw per-position counts, so rows can be re-added exactly."""
+    return {**stats.as_dict(), "position_tries": list(stats.position_tries), "position_hits": list(stats.position_hits)}
+
+
+def stats_from_dict(d: dict) -> RunStats:
+    """The inverse of stats_dict (report.json's per-run `stats`): re-aggregate a saved report."""
+    return RunStats(
+        steps=d["steps"], drafted=d["drafted"], accepted=d["accepted"], emitted=d["generated_tokens"],
+        decided=d.get("decided_tokens", d["generated_tokens"]),
+        draft_seconds=d["draft_seconds"], verify_seconds=d["verify_seconds"], prefill_seconds=d["prefill_seconds"],
+        generate_seconds=d["generate_seconds"], prompt_tokens=d["prompt_tokens"],
+        prompt_tokens_evaluated=d["prompt_tokens_evaluated"], position_tries=list(d["position_tries"]),
+        position_hits=list(d["position_hits"]),
+        accepted_lengths=Counter({int(k): v for k, v in d["accepted_length_histogram"].items()}),
+        draft_lengths=Counter({int(k): v for k, v in d["draft_lengths"].items()}),
+        drafted_by=Counter(d.get("drafted_by", {})),
+        rollback_recoveries=d.get("rollback_recoveries", 0),
+    )
+
+
+def record_from_dict(d: dict) -> RunRecord:
+    return RunRecord(
+        prompt_id=d["prompt_id"], category=d["category"], turn=d["turn"], setting=d["setting"], order=d["order"],
+        stats=stats_from_dict(d["stats"]), finish_reason=d.get("finish_reason", ""), text=d.get("text", ""),
+        sources=dict(d.get("sources", {})), matches_baseline=d.get("matches_baseline"),
+    )
+
+
+def record_from_events(events: Iterable, *, prompt_id: str, category: str, turn: int, setting: str, order: int) -> RunRecord:
+    """Consume one `engine.generate` stream into a RunRecord (its RunStats is the stream's own)."""
+    sources: Counter = Counter()
+    finished: Finished | None = None
+    for event in events:
+        if isinstance(event, TokenEvent):
+            sources[event.source] += 1
+        elif isinstance(event, Finished):
+            finished = event
+    if finished is None:
+        raise RuntimeError("generation ended without a Finished event")
+    return RunRecord(
+        prompt_id=prompt_id, category=category, turn=turn, setting=setting, order=order, stats=finished.stats,
+        finish_reason=finished.finish_reason, text=finished.text, token_ids=list(finished.token_ids),
+        sources=dict(sources),
+    )
+
+
+# -- running -----------------------------------------------------------------------------------------
+
+Render = Callable[[list[dict]], tuple[list[int], list[str]]]  # messages -> (prompt ids, stop strings)
+
+
+def reset_caches(target: Backend, drafter: Drafter | None) -> None:
+    """Empty both KV caches, so every run prefills its whole prompt (fair prefill timings)."""
+    target.truncate(0)
+    backend = drafter.backend if drafter is not None else None
+    if backend is not None:
+        backend.truncate(0)
+
+
+def run_report(
+    target,
+    drafter,
+    items: Sequence[PromptItem],
+    settings: Sequence[Setting],
+    params: SamplingParams,
+    *,
+    max_tokens: int,
+    render: Render,
+    policy_for: Callable[[Setting], Policy],
+    on_run: Callable[[PromptItem, int, Setting, RunRecord], None] = lambda *a: None,
+    on_start: Callable[[PromptItem, int, Setting], None] = lambda *a: None,
+) -> list[RunRecord]:
+    """Run every item's turns under every setting; target-only first on even items, last on odd ones."""
+    records: list[RunRecord] = []
+    for index, item in enumerate(items):
+        history: list[dict] = []
+        order = list(settings) if index % 2 == 0 else list(reversed(settings))
+        for turn, text in enumerate(item.turns):
+            messages = [*history, {"role": "user", "content": text}]
+            prompt_ids, stops = render(messages)
+            by_setting: dict[str, RunRecord] = {}
+            for position, setting in enumerate(order):
+                on_start(item, turn, setting)
+                reset_caches(target, drafter)
+                events = generate(
+                    target, None if setting.is_baseline else drafter, prompt_ids, params,
+                    max_tokens=max_tokens, stop=stops, policy=policy_for(setting),
+                )
+                try:
+                    record = record_from_events(
+                        events, prompt_id=item.id, category=item.category, turn=turn, setting=setting.name,
+                        order=position,
+                    )
+                except BackendError as e:
+                    raise UserError(f"prompt {item.id!r} turn {turn + 1}: {e}") from None
+                records.append(record)
+                by_setting[setting.name] = record
+                on_run(item, turn, setting, record)
+            base = by_setting[BASELINE]
+            for name, record in by_setting.items():
+                if name != BASELINE:
+                    record.matches_baseline = record.token_ids == base.token_ids
+            history = [*messages, {"role": "assistant", "content": base.text}]
+    return records
+
+
+def warm_up(target, drafter, item: PromptItem, settings: Sequence[Setting], params: SamplingParams, render: Render,
+            policy_for: Callable[[Setting], Policy]) -> None:
+    """A few untimed tokens down each code path: first decodes allocate buffers, a policy calibrates."""
+    prompt_ids, stops = render([{"role": "user", "content": item.turns[0]}])
+    for setting in settings:
+        reset_caches(target, drafter)
+        for _ in generate(target, None if setting.is_baseline else drafter, prompt_ids, params, max_tokens=4,
+                          stop=stops, policy=policy_for(setting)):
+            pass
+    reset_caches(target, drafter)
