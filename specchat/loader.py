@@ -32,6 +32,7 @@ class LoadOptions:
     lookup_history: bool = True  # prompt lookup also searches earlier replies (history.py)
     cross_vocab: str = "auto"  # rule for a draft with another tokenizer: auto | slem | tli
     rpc: tuple[str, ...] | None = None  # --rpc: workers for the target's layers (None = models.toml's)
+    flash_attn: str = "auto"  # -fa: auto | on | off, for both models
 
 
 @dataclass
@@ -103,7 +104,7 @@ def load(
     status(f"loading target {target_spec.name}" + (f" onto RPC {','.join(rpc)}" if rpc else ""))
     target = LlamaCppBackend(
         target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name,
-        rpc=rpc,
+        rpc=rpc, flash_attn=opts.flash_attn,
     )
     try:
         if selection.draft is None:
@@ -126,6 +127,7 @@ def load(
             n_gpu_layers=opts.n_gpu_layers_draft,
             n_threads=threads,
             name=draft_spec.name,
+            flash_attn=opts.flash_attn,
         )
         try:
             try:

@@ -123,6 +123,10 @@ Rpc = Annotated[
 Threads = Annotated[
     int | None, typer.Option("-t", "--threads", min=1, help=f"CPU threads, 1..{MAX_THREADS} (default: all cores up to 4, else half).", rich_help_panel=HARDWARE)
 ]
+FlashAttn = Annotated[
+    str,
+    typer.Option("-fa", "--flash-attn", help="Flash attention: on, off, or auto (on where every layer's device supports it; llama.cpp's default).", rich_help_panel=HARDWARE),
+]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colour (also when NO_COLOR is set).", rich_help_panel=OUTPUT)]
 IgnoreEos = Annotated[
     bool,
@@ -168,6 +172,7 @@ class RunArgs:
     ngld: Ngld = _LOAD.n_gpu_layers_draft
     threads: Threads = _LOAD.n_threads
     rpc: Rpc = None
+    flash_attn: FlashAttn = _LOAD.flash_attn
 
 
 def _with_help(annotation, text: str):

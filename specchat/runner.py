@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from .backend import Backend, BackendError
+from .backend import FLASH_ATTN, Backend, BackendError
 from .config import PROMPT_LOOKUP, Config, ConfigError
 from .loader import LoadOptions, Selection, load, select
 from .options import MAX_THREADS, RunArgs
@@ -81,6 +81,9 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         if not stop:
             raise UserError("--stop: an empty stop string would end every reply before it starts; give some text")
         check_text(stop, "--stop")
+    flash_attn = args.flash_attn.strip().lower()
+    if flash_attn not in FLASH_ATTN:
+        raise UserError(f"-fa/--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {args.flash_attn!r}")
     from .crossvocab import check_rule
 
     try:
@@ -100,7 +103,7 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         n_ctx=args.ctx_size, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngld, n_threads=args.threads,
         draft_p_min=args.draft_p_min, draft_min=args.draft_min, lookup_min=args.lookup_min,
         lookup_max=args.lookup_max, lookup_history=args.lookup_history, cross_vocab=cross_vocab,
-        rpc=rpc_endpoints(args.rpc),
+        rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn,
     )
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
                       stop=stops, ignore_eos=args.ignore_eos)

@@ -179,6 +179,11 @@ def test_bad_cross_vocab_rule(cli, tmp_path, value):
     assert_user_error(cli("prompt", "hi", "--cross-vocab", value, home=tmp_path), "--cross-vocab", "slem")
 
 
+@pytest.mark.parametrize("value", ["yes", "", "1"])
+def test_bad_flash_attn_value(cli, tmp_path, value):
+    assert_user_error(cli("prompt", "hi", "-fa", value, home=tmp_path), "--flash-attn", "auto")
+
+
 # --- bad input, second round ---------------------------------------------------------------------------
 
 
