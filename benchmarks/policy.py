@@ -46,7 +46,7 @@ def prompt_ids(target, text: str) -> list[int]:
 
 def timed_run(target, drafter, ids, policy, n: int) -> tuple[float, int, float | None]:
     target.truncate(0)
-    if drafter is not None and hasattr(drafter, "backend"):
+    if drafter is not None and drafter.backend is not None:  # prompt lookup has no model
         drafter.backend.truncate(0)
     params = SamplingParams(temperature=0.0, banned=target.eog_tokens())
     finished = None
