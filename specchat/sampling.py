@@ -81,25 +81,49 @@ class Dist:
     `np.asarray(dist)` is the dense vector, for tests and for callers that want one.
     """
 
-    __slots__ = ("ids", "probs", "n_vocab", "_lists")
+    __slots__ = ("_ids", "_probs", "n_vocab", "_lists")
 
     def __init__(self, ids: np.ndarray | None, probs: np.ndarray, n_vocab: int, lists=None):
-        self.ids = ids
-        self.probs = probs
+        self._ids = ids
+        self._probs = probs
         self.n_vocab = n_vocab
         self._lists = lists  # (ids, probs) as Python lists, when the support is small
 
     @classmethod
     def of_lists(cls, ids: list[int], probs: list[float], n_vocab: int) -> Dist:
-        return cls(np.array(ids, dtype=np.int64), np.array(probs), n_vocab, (ids, probs))
+        """A small support held as lists; the arrays are made only if something asks for them (the
+        per-token path never does: see `lists`)."""
+        return cls(None, None, n_vocab, (ids, probs))
+
+    @property
+    def ids(self) -> np.ndarray | None:
+        if self._probs is None:
+            self._arrays()
+        return self._ids
+
+    @property
+    def probs(self) -> np.ndarray:
+        if self._probs is None:
+            self._arrays()
+        return self._probs
+
+    def _arrays(self) -> None:
+        ids, probs = self._lists
+        self._ids, self._probs = np.array(ids, dtype=np.int64), np.array(probs, dtype=np.float64)
 
     def lists(self) -> tuple[list[int], list[float]]:
         """The support as Python lists. Right after a decode the CPU caches hold model weights and
-        every numpy call on a small array costs ~10 us; a loop over a few dozen floats costs less."""
+        the first call of each numpy function costs 15-45 us; a loop over a few dozen floats costs less."""
         if self._lists is None:
-            ids = range(self.n_vocab) if self.ids is None else self.ids.tolist()
-            self._lists = (ids, self.probs.tolist())
+            ids = range(self.n_vocab) if self._ids is None else self._ids.tolist()
+            self._lists = (ids, self._probs.tolist())
         return self._lists
+
+    def small(self) -> bool:
+        """Held on a support of at most SMALL tokens (sampled and combined with Python lists)."""
+        if self._lists is not None:
+            return len(self._lists[0]) <= SMALL
+        return self._ids is not None and len(self._ids) <= SMALL
 
     @classmethod
     def single(cls, token: int, n_vocab: int) -> Dist:
@@ -115,13 +139,13 @@ class Dist:
         return cls(ids, x[ids], x.shape[0])
 
     def prob(self, token: int) -> float:
-        if self.ids is None:
-            return float(self.probs[token])
+        if self._ids is None and self._probs is not None:  # the whole vocabulary, by id
+            return float(self._probs[token])
         if self._lists is not None:
             ids, probs = self._lists
             return probs[ids.index(token)] if token in ids else 0.0
-        hit = np.flatnonzero(self.ids == token)
-        return float(self.probs[hit[0]]) if len(hit) else 0.0
+        hit = np.flatnonzero(self._ids == token)
+        return float(self._probs[hit[0]]) if len(hit) else 0.0
 
     def probs_at(self, tokens: np.ndarray) -> np.ndarray:
         """P(t) for each t in `tokens` (0 off the support)."""
@@ -230,6 +254,35 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     return _best(ids, logits[ids], k)
 
 
+def top_k_lists(logits: np.ndarray, k: int) -> tuple[list[int], list[float]] | None:
+    """top_k_ids' k best as Python lists sorted by falling logit (then lowest id), with as few numpy
+    calls as possible: right after a decode the first call of each numpy function costs 15-45 us.
+    None when this cannot be sure of the answer (a tie at the k-th value, a vocabulary that is not a
+    multiple of GROUPS, a short row): the caller then uses top_k_ids.
+
+    Take the k + 1 columns with the largest maxima (see top_k_ids); every other column's entries are
+    at most the smallest of those maxima, c. The k + 1 largest entries of the chosen columns are all
+    >= c (the k + 1 maxima are among them). So if the k-th of them is above the (k+1)-th, it is above
+    every entry left out anywhere: these k are exactly the top k, with no tie to break."""
+    n = logits.shape[0]
+    width = n // GROUPS
+    c = k + 1
+    if logits.ndim != 1 or n % GROUPS or width < 2 * c:
+        return None
+    grid = logits.reshape(GROUPS, width)
+    column_max = grid.max(axis=0)
+    cols = np.argpartition(column_max, width - c)[width - c :]
+    block = grid[:, cols].ravel()  # (GROUPS, c) row-major: entry r * c + j is row r of column cols[j]
+    m = block.shape[0]
+    sel = np.argpartition(block, m - c)[m - c :]
+    z = block[sel].tolist()
+    where = cols.tolist()
+    pairs = sorted(zip([-v for v in z], [(i // c) * width + where[i % c] for i in sel.tolist()]))
+    if not pairs[k - 1][0] < pairs[k][0]:  # the k-th ties with the (k+1)-th: top_k_ids decides
+        return None
+    return [t for _, t in pairs[:k]], [-v for v, _ in pairs[:k]]
+
+
 def _best(ids: np.ndarray, z: np.ndarray, k: int) -> np.ndarray:
     """The k best of candidates holding every logit >= the k-th largest: by falling logit, then lowest
     id, so that ties at the boundary always keep the same tokens."""
@@ -302,6 +355,9 @@ def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int
     plain = not params.has_penalty and not params.banned and n > CONFIDENCE_K
     if params.greedy:
         if plain:
+            top = top_k_lists(logits, CONFIDENCE_K)
+            if top is not None:  # sorted with the lowest id first among equal maxima, like np.argmax
+                return top[0][0], None, _confidence(top[1])
             ids = top_k_ids(logits, CONFIDENCE_K)
             z = logits[ids].tolist()
             top = max(z)
@@ -310,8 +366,11 @@ def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int
                 return min(tied), None, _confidence(sorted(z, reverse=True))
         return greedy_token(logits, params, history), None, draft_confidence(logits)
     if plain and CONFIDENCE_K <= params.top_k < n:
-        ids = top_k_ids(logits, params.top_k)
-        ids, z = _sorted(ids.tolist(), logits[ids].tolist())
+        top = top_k_lists(logits, params.top_k)
+        if top is None:
+            ids = top_k_ids(logits, params.top_k)
+            top = _sorted(ids.tolist(), logits[ids].tolist())
+        ids, z = top
         return None, _truncate(ids, z, params, n), _confidence(z)
     return None, process(logits, params, history), draft_confidence(logits)
 
@@ -386,6 +445,16 @@ def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) 
     truncates = params.top_p < 1.0 or params.min_p > 0.0
     total = None
     if 0 < params.top_k < n_vocab:
+        if changed is None:  # the per-token case: the raw top candidates are the sampler's
+            banned = params.banned_set
+            top = top_k_lists(logits, params.top_k + len(banned))
+            if top is not None:
+                ids, z = top
+                if banned:
+                    kept = [j for j, t in enumerate(ids) if t not in banned]
+                    ids, z = [ids[j] for j in kept], [z[j] for j in kept]
+                if len(ids) >= params.top_k:
+                    return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
         ids, z = _top_candidates(logits, params, changed, params.top_k)
         ids, z = _sorted(ids.tolist(), z.tolist())
         return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
@@ -421,7 +490,7 @@ def one_hot(token: int, n_vocab: int) -> Dist:
 def sample(p: Dist | np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token from p (a Dist, or a dense probability vector)."""
     p = Dist.of(p)
-    if p.ids is not None and len(p.ids) <= SMALL:
+    if p.small():
         # the same draw as below (accumulate adds in cumsum's order), without numpy calls
         ids, probs = p.lists()
         cdf = list(accumulate(probs))
@@ -440,6 +509,15 @@ def residual(p: Dist | np.ndarray, q: Dist | np.ndarray) -> Dist:
     """normalize(max(0, p - q)): what the target still owes after the draft's proposal was rejected.
     Its support is within p's, so it costs O(support of p)."""
     p, q = Dist.of(p), Dist.of(q)
+    if p.small():  # the per-step case: a few dozen candidates, in Python (see Dist.lists)
+        ids, probs = p.lists()
+        if q.small():
+            owed = dict(zip(*q.lists()))
+            r = [max(a - owed.get(t, 0.0), 0.0) for t, a in zip(ids, probs)]
+        else:
+            r = [max(a - q.prob(t), 0.0) for t, a in zip(ids, probs)]
+        total = sum(r)
+        return Dist.of_lists(ids, [x / total for x in r], p.n_vocab) if total > 0 else p
     if p.ids is None:
         r = p.probs.copy()
         if q.ids is None:

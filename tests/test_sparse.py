@@ -26,6 +26,9 @@ from specchat.sampling import (
     process_rows,
     residual,
     sample,
+    top_k_ids,
+    top_k_lists,
+    _sorted,
 )
 from test_sampling import CASES, DRAFT_FAR, DRAFT_NEAR, DRAFT_ZERO, HISTORY, TARGET
 
@@ -33,6 +36,8 @@ RNG = np.random.default_rng(20261202)
 BIG_V = 50_000
 BIG = RNG.normal(0, 3, BIG_V).astype(np.float32)
 BIG_HISTORY = RNG.integers(0, BIG_V, 300).tolist() + [int(np.argmax(BIG))] * 3  # penalises the favourite
+# a vocabulary that splits into GROUPS slices (49152, as SmolLM2's) takes top_k_lists' fast path
+WHOLE = RNG.normal(0, 3, 49_152).astype(np.float32)
 
 
 def assert_same(sparse: Dist, dense: np.ndarray) -> None:
@@ -73,8 +78,9 @@ BIG_SETTINGS = {
 @pytest.mark.parametrize("name", list(BIG_SETTINGS))
 def test_sparse_equals_dense_large_vocabulary(name, temperature):
     params = SamplingParams(temperature=temperature, **BIG_SETTINGS[name])
-    for history in (BIG_HISTORY, []):
-        assert_same(process(BIG, params, history), dense_process(BIG, params, history))
+    for logits in (BIG, WHOLE):
+        for history in (BIG_HISTORY, []):
+            assert_same(process(logits, params, history), dense_process(logits, params, history))
 
 
 def test_truncating_samplers_stay_sparse():
@@ -138,7 +144,7 @@ def test_draft_confidence_is_llama_cpps_top10_probability():
 def test_draft_step_is_process_and_draft_confidence_in_one_pass(name, temperature):
     """The draft model's per-row work: the same q (or greedy token) and confidence as the two calls."""
     params = SamplingParams(temperature=temperature, **BIG_SETTINGS[name])
-    for logits in (BIG, np.roll(BIG, 7), np.sort(BIG)):
+    for logits in (BIG, np.roll(BIG, 7), np.sort(BIG), WHOLE, np.sort(WHOLE)):
         for history in (BIG_HISTORY, []):
             token, q, confidence = draft_step(logits, params, history)
             assert confidence == pytest.approx(draft_confidence(logits), rel=1e-12)
@@ -199,6 +205,40 @@ def test_ties_at_the_top_k_boundary_keep_the_lowest_ids_in_both_paths():
     single = process(BATCH[2], params, [])
     assert sorted(single.ids.tolist()) == [100, 101, 102]  # 40 tied at the top: the three lowest ids
     assert process_rows(BATCH, params, lambda i: [], 1)[1].ids.tolist() == single.ids.tolist()
+
+
+def test_top_k_lists_is_top_k_ids_sorted_or_declines():
+    """The per-token top-k: exactly top_k_ids' answer in _sorted's order, or None where it cannot be
+    sure (ties at the k-th value, a vocabulary that is not a multiple of GROUPS, a short row)."""
+    tied = WHOLE.copy()
+    tied[[5, 9000, 30001]] = tied.max() + 2.0  # ties at the top, well inside the top k
+    at_boundary = WHOLE.copy()
+    at_boundary[np.argsort(-WHOLE)[39]] = WHOLE[np.argsort(-WHOLE)[40]]  # the 40th equals the 41st
+    rows = [WHOLE, np.sort(WHOLE), -np.sort(WHOLE), tied, at_boundary, BATCH[2], *BATCH,
+            RNG.normal(0, 3, 262_144).astype(np.float32), np.zeros(49_152, dtype=np.float32)]
+    answered = 0
+    for row in rows:
+        for k in (1, 10, 40, 64):
+            got = top_k_lists(row, k)
+            if got is None:
+                continue
+            answered += 1
+            ids = top_k_ids(row, k)
+            assert got == _sorted(ids.tolist(), row[ids].tolist())
+    assert answered >= 30
+    assert top_k_lists(at_boundary, 40) is None and top_k_lists(np.zeros(49_152, dtype=np.float32), 10) is None
+    assert top_k_lists(BIG, 40) is None and top_k_lists(WHOLE[:640], 40) is None  # 50000 % 32, 640 too short
+    assert top_k_lists(tied, 3) == ([5, 9000, 30001], [float(tied[5])] * 3)
+
+
+def test_small_dists_are_lists_until_asked():
+    """The per-token path builds no arrays: a processed row stays Python lists through verify."""
+    p = process(WHOLE, SamplingParams(temperature=0.8), [])
+    assert p._probs is None and p.small()
+    r = residual(p, process(np.roll(WHOLE, 1), SamplingParams(temperature=0.8), []))
+    assert r._probs is None
+    np.testing.assert_allclose(r.probs.sum(), 1.0)  # and the arrays appear when asked for
+    assert r.ids.tolist() == r.lists()[0]
 
 
 def test_fake_backend_poisons_rows_lent_in_place():
