@@ -10,6 +10,9 @@
 2. plain: plain decoding at temp 0.8 vs `llama-bench -n 128 -p 0` (tg128) from the same vendored
    llama.cpp, gemma-3-270m, same threads, alternating repetitions.
 3. view: `specchat prompt` on a terminal (a pty: coloured live view) vs `--json`, same prompt, greedy.
+4. cache (`--parts cache`): why the host time is what it is on a CPU. The same `sampling.process` call on
+   the same row, timed as the 1st, 2nd and 8th call in a row: right after a llama_decode, after
+   streaming 1 GB through the caches with no decode at all, after a 10 ms sleep, and warm.
 
 The time inside llama_decode is measured by wrapping llama_cpp.llama_decode in this process, so the
 script measures any version of specchat the same way.
@@ -34,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_cpp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import specchat  # noqa: E402
 from specchat.drafters import PromptLookup  # noqa: E402
@@ -211,6 +215,47 @@ def part_view(a) -> None:
     print(f"live view / --json = {t / j:.3f}x")
 
 
+def part_cache(a) -> None:
+    from specchat.sampling import process
+
+    calls = 8
+    print(f"\n## one sampling.process call (temp 0.8, llama.cpp's default sampler), microseconds, median of {a.reps * 10}")
+    print(f"{'model':<22}{'vocab':>8}  {'before the calls':<26}{'call 1':>8}{'call 2':>8}{'call 8':>8}")
+    scan = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, about what a decode of a 1.5B Q4 model reads
+    models = {"qwen": "qwen2.5-coder-1.5b", "gemma": "gemma-3-270m"}
+    for name in [models[m] for m in a.models.split(",")]:
+        pair = specchat.load_pair(target=name, draft=None, n_ctx=2048, n_gpu_layers=0, n_threads=a.threads)
+        target = pair.target
+        params = specchat.SamplingParams(temperature=0.8, seed=1)
+        ids = target.tokenize(CODE_PROMPT)
+        target.eval(ids[:-1], [])
+        keep = len(target.tokens)
+        row = np.array(target.eval([ids[-1]], [0])[0])
+        target.truncate(keep)
+
+        def decode():
+            nonlocal row
+            row = target.eval([ids[-1]], [0], in_place=True)[0]
+
+        def timed(before) -> np.ndarray:
+            samples = []
+            for _ in range(a.reps * 10):
+                before()
+                t = [time.perf_counter()]
+                for _ in range(calls):
+                    process(row, params, ())
+                    t.append(time.perf_counter())
+                samples.append(np.diff(t))
+                target.truncate(keep)
+            return 1e6 * np.median(samples, axis=0)  # one stall of this shared machine must not count
+
+        for label, before in (("a llama_decode", decode), ("a 1 GiB scan, no decode", lambda: scan.sum()),
+                              ("a 10 ms sleep", lambda: time.sleep(0.01)), ("nothing (warm)", lambda: None)):
+            us = timed(before)
+            print(f"{name:<22}{target.n_vocab:>8}  {label:<26}{us[0]:>8.0f}{us[1]:>8.0f}{us[-1]:>8.0f}", flush=True)
+        pair.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="host,plain,view")
@@ -222,7 +267,7 @@ def main() -> None:
     a = parser.parse_args()
     print(f"llama-cpp-python {llama_cpp.__version__} · {a.threads} threads · {time.strftime('%Y-%m-%d %H:%M')}")
     for part in a.parts.split(","):
-        {"host": part_host, "plain": part_plain, "view": part_view}[part](a)
+        {"host": part_host, "plain": part_plain, "view": part_view, "cache": part_cache}[part](a)
 
 
 if __name__ == "__main__":
