@@ -283,6 +283,16 @@ def top_k_lists(logits: np.ndarray, k: int) -> tuple[list[int], list[float]] | N
     return [t for _, t in pairs[:k]], [-v for v, _ in pairs[:k]]
 
 
+def top_sorted(logits: np.ndarray, k: int) -> tuple[list[int], list[float]]:
+    """The k largest logits as lists, by falling logit then lowest id: top_k_lists, or top_k_ids where
+    it declines."""
+    top = top_k_lists(logits, k)
+    if top is None:
+        ids = top_k_ids(logits, k)
+        top = _sorted(ids.tolist(), logits[ids].tolist())
+    return top
+
+
 def _best(ids: np.ndarray, z: np.ndarray, k: int) -> np.ndarray:
     """The k best of candidates holding every logit >= the k-th largest: by falling logit, then lowest
     id, so that ties at the boundary always keep the same tokens."""
@@ -354,23 +364,12 @@ def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int
     n = logits.shape[0]
     plain = not params.has_penalty and not params.banned and n > CONFIDENCE_K
     if params.greedy:
-        if plain:
-            top = top_k_lists(logits, CONFIDENCE_K)
-            if top is not None:  # sorted with the lowest id first among equal maxima, like np.argmax
-                return top[0][0], None, _confidence(top[1])
-            ids = top_k_ids(logits, CONFIDENCE_K)
-            z = logits[ids].tolist()
-            top = max(z)
-            tied = [i for i, v in zip(ids.tolist(), z) if v == top]
-            if len(tied) < CONFIDENCE_K:  # every token at the max is here: lowest id, like np.argmax
-                return min(tied), None, _confidence(sorted(z, reverse=True))
+        if plain:  # the lowest id first among equal maxima, like np.argmax
+            ids, z = top_sorted(logits, CONFIDENCE_K)
+            return ids[0], None, _confidence(z)
         return greedy_token(logits, params, history), None, draft_confidence(logits)
     if plain and CONFIDENCE_K <= params.top_k < n:
-        top = top_k_lists(logits, params.top_k)
-        if top is None:
-            ids = top_k_ids(logits, params.top_k)
-            top = _sorted(ids.tolist(), logits[ids].tolist())
-        ids, z = top
+        ids, z = top_sorted(logits, params.top_k)
         return None, _truncate(ids, z, params, n), _confidence(z)
     return None, process(logits, params, history), draft_confidence(logits)
 
@@ -431,6 +430,18 @@ def _head(full: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndar
     return ids, full[ids], total
 
 
+def _from_top(ids: list[int], z: list[float], params: SamplingParams, n_vocab: int) -> Dist | None:
+    """The sampler's distribution from a row's top_k + len(banned) raw candidates, sorted falling:
+    bans left out, then top-k, top-p, min-p, temperature. None when the bans leave fewer than top_k."""
+    banned = params.banned_set
+    if banned:
+        kept = [j for j, t in enumerate(ids) if t not in banned]
+        if len(kept) < params.top_k:
+            return None
+        ids, z = [ids[j] for j in kept], [z[j] for j in kept]
+    return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
+
+
 def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> Dist:
     """Raw logits -> the distribution the sampler draws from, on its support.
 
@@ -446,15 +457,9 @@ def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) 
     total = None
     if 0 < params.top_k < n_vocab:
         if changed is None:  # the per-token case: the raw top candidates are the sampler's
-            banned = params.banned_set
-            top = top_k_lists(logits, params.top_k + len(banned))
-            if top is not None:
-                ids, z = top
-                if banned:
-                    kept = [j for j, t in enumerate(ids) if t not in banned]
-                    ids, z = [ids[j] for j in kept], [z[j] for j in kept]
-                if len(ids) >= params.top_k:
-                    return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
+            dist = _from_top(*top_sorted(logits, min(n_vocab, params.top_k + len(params.banned_set))), params, n_vocab)
+            if dist is not None:
+                return dist
         ids, z = _top_candidates(logits, params, changed, params.top_k)
         ids, z = _sorted(ids.tolist(), z.tolist())
         return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
@@ -630,14 +635,9 @@ def process_rows(rows: np.ndarray, params: SamplingParams, history, start: int =
         if not exact:
             out.append(process(rows[start + i], params, ()))
             continue
-        ids, z = _sorted(ids, z)
-        if banned:
-            kept = [j for j, t in enumerate(ids) if t not in banned]
-            if len(kept) < params.top_k:  # too few tokens left: the general path
-                out.append(process(rows[start + i], params, ()))
-                continue
-            ids, z = [ids[j] for j in kept], [z[j] for j in kept]
-        out.append(_truncate(ids[: params.top_k], z[: params.top_k], params, n))
+        dist = _from_top(*_sorted(ids, z), params, n)
+        # None: the bans left too few tokens, which the general path handles
+        out.append(dist if dist is not None else process(rows[start + i], params, ()))
     return out
 
 
