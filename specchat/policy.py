@@ -9,7 +9,8 @@ measurements on this machine:
     rate(n)            = expected tokens(n) / (verify_cost(n + 1) + draft_cost(n))
 
 and picks the n with the best rate, n = 0 included. verify_cost comes from timing the target on batches
-of each size (cached per model file and thread count), rescaled online by what steps really take;
+of the CALIBRATION_SIZES (cached per model file and thread count), rescaled online by what steps
+really take, and only those batch sizes are sent;
 a_i are running estimates: for a draft model, one per draft position; for prompt lookup, one per
 length of the match the token continues (a_i = A(m + i) for an m-token match: see LookupAcceptance),
 so a 24-token match predicts a long accepted run and a 1-token match almost none. They are saved per (target file, drafter) in the cache dir when a run ends
@@ -34,9 +35,10 @@ import numpy as np
 from .backend import Backend
 from .stats import StepStats
 
-# batch sizes timed at calibration; costs in between are interpolated
-# (up to 65: a long prompt-lookup match may send 64 drafts)
-CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 17, 25, 33, 49, 65)
+# Batch sizes timed at calibration, and the only sizes the adaptive policy sends (see CostModel.measured):
+# on a CPU llama.cpp's matrix kernels work on tiles of rows, so a batch of 16 can cost less than one of
+# 15 or 17 (gemma-3-270m, 2 threads: 8 tokens 38 ms, 7 tokens 57 ms; 16 tokens 56 ms, 17 tokens 69 ms).
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
 # from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
@@ -90,11 +92,16 @@ class FixedPolicy:
 @dataclass
 class CostModel:
     """Seconds to evaluate a batch of n tokens, from calibration points, times an online scale factor
-    that follows what the machine is doing now (other load, a growing context)."""
+    that follows what the machine is doing now (other load, a growing context).
+
+    `measured`: the costs are known only at `sizes` (a calibration), and a size in between may cost far
+    more than the line between its neighbours (see CALIBRATION_SIZES), so `best_length` sends only
+    batches of those sizes. A hand-made model (measured False) is a curve: every size may be sent."""
 
     sizes: list[int]
     seconds: list[float]
     scale: float = 1.0
+    measured: bool = False
 
     def __post_init__(self) -> None:
         # base cost of every batch size up to 64, computed once: the policy asks for them every step
@@ -106,6 +113,18 @@ class CostModel:
             table[beyond] = self.seconds[-1] + slope * (n[beyond] - self.sizes[-1])
         table[0] = 0.0
         self._table = table
+        # batch sizes 0..64 best_length may send (0: no batch at all, never chosen)
+        self._sendable = np.ones(65, dtype=bool)
+        if self.measured:
+            self._sendable[:] = False
+            self._sendable[[n for n in self.sizes if n < 65]] = True
+
+    def sendable(self, n_max: int) -> np.ndarray:
+        """For batch sizes 0..n_max: may the policy send a batch of that size?"""
+        if n_max < len(self._sendable):
+            return self._sendable[: n_max + 1]
+        beyond = not self.measured  # past the table: only an unmeasured curve extends
+        return np.concatenate([self._sendable, np.full(n_max + 1 - len(self._sendable), beyond)])
 
     def __call__(self, n: int) -> float:
         if n <= 0:
@@ -148,9 +167,8 @@ class CostModel:
                 times.append(time.perf_counter() - t0)
                 backend.truncate(keep)
             seconds.append(float(np.median(times)))
-        # costs never fall with size; timing noise can make them look so
-        seconds = list(np.maximum.accumulate(seconds))
-        return cls(list(sizes), seconds)
+        # not made monotone: a bigger batch can really cost less (whole tiles; see CALIBRATION_SIZES)
+        return cls(list(sizes), seconds, measured=True)
 
 
 def cost_cache_key(backend: Backend) -> str:
@@ -177,9 +195,12 @@ def cached_cost_model(backend, cache_file: Path | None) -> CostModel:
         except (OSError, ValueError):
             table = {}
     entry = table.get(key)
-    # an entry from before drafts could reach 64 is measured again rather than extrapolated that far
-    if entry and entry.get("sizes") and entry["sizes"][-1] >= min(CALIBRATION_SIZES[-1], backend.n_ctx // 2):
-        return CostModel(entry["sizes"], entry["seconds"])
+    # an entry timed at other sizes (an older specchat), or short of what this context allows, is
+    # measured again: the policy sends only the sizes it has timed
+    sizes = entry.get("sizes") if isinstance(entry, dict) else None
+    if (sizes and sizes == list(CALIBRATION_SIZES[: len(sizes)])
+            and sizes[-1] >= min(CALIBRATION_SIZES[-1], backend.n_ctx // 2)):
+        return CostModel(entry["sizes"], entry["seconds"], measured=True)
     model = CostModel.measure(backend)
     if cache_file is not None:
         table[key] = {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time()}
@@ -252,12 +273,13 @@ class Acceptance:
 def best_length(
     a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: float = 0.0, overhead: float = 0.0
 ) -> tuple[int, float]:
-    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost + per-step overhead):
-    (n, tokens per second). Within 1% of the best, the shortest draft wins: the same speed for less work."""
+    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost + per-step overhead), over the
+    n whose batch n + 1 the cost model may send: (n, tokens per second). Within 1% of the best, the
+    shortest draft wins: the same speed for less work."""
     expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
     n = np.arange(len(a) + 1)
     cost = verify_cost.costs(len(a) + 1)[1:] + n * draft_cost_per_token + overhead  # verify n drafts + 1
-    rates = expected / cost
+    rates = np.where(verify_cost.sendable(len(a) + 1)[1:], expected / cost, 0.0)
     if rates[1:].max(initial=0.0) < rates[0] * DRAFT_MARGIN:
         return 0, float(rates[0])  # a predicted gain this small is inside the estimates' error
     best = int(np.flatnonzero(rates >= rates.max() / 1.01)[0])

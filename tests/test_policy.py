@@ -17,6 +17,7 @@ from specchat.policy import (
     LOOKUP_BUCKETS,
     FixedPolicy,
     best_length,
+    CALIBRATION_SIZES,
     cached_cost_model,
     cost_cache_key,
 )
@@ -169,11 +170,37 @@ def test_cost_cache_round_trip(tmp_path):
     assert backend.tokens == [1, 2, 3]  # calibration rolled itself back
     table = json.loads(cache.read_text())
     assert cost_cache_key(backend) in table
-    assert all(b >= a for a, b in zip(first.seconds, first.seconds[1:]))  # monotone
+    assert first.measured and first.sizes == [n for n in CALIBRATION_SIZES if n <= backend.n_ctx - 3]
     evaluated = backend.evaluated
     second = cached_cost_model(backend, cache)
     assert backend.evaluated == evaluated  # read from the cache: nothing measured
-    assert second.seconds == first.seconds
+    assert second.seconds == first.seconds and second.measured
+    # an entry timed at other sizes (an older specchat's) is measured again, not trusted
+    table[cost_cache_key(backend)]["sizes"] = [1, 2, 3, 4, 6, 8, 12, 17, 25, 33, 49, 65][: len(first.sizes)]
+    cache.write_text(json.dumps(table))
+    third = cached_cost_model(backend, cache)
+    assert backend.evaluated > evaluated and third.sizes == first.sizes
+
+
+def test_a_measured_cost_model_sends_only_the_sizes_it_timed():
+    """On a CPU a batch of 16 can cost less than one of 15 or 17 (whole tiles of rows): with the costs
+    known only at the timed sizes, best_length never picks a batch in between."""
+    sizes = [1, 2, 3, 4, 8, 12, 16, 20, 24, 32]
+    seconds = [0.011, 0.022, 0.028, 0.031, 0.038, 0.052, 0.056, 0.067, 0.090, 0.095]
+    timed = CostModel(sizes, seconds, measured=True)
+    curve = CostModel(sizes, seconds)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        a = rng.uniform(0.5, 1.0, size=int(rng.integers(1, 40)))
+        n, rate = best_length(a, timed)
+        assert n == 0 or n + 1 in sizes
+        best = max((1 + np.cumprod(a)[:m].sum()) / timed(m + 1) for m in range(len(a) + 1) if m + 1 in sizes)
+        assert rate >= best / 1.01 - 1e-12 or n == 0
+    # a long copied span: the curve's optimum falls between timed sizes, the timed model's on one
+    a = np.full(20, 0.98)
+    assert best_length(a, timed)[0] + 1 in sizes
+    assert timed.sendable(40).tolist() == [n in sizes for n in range(41)]
+    assert curve.sendable(40).all()
 
 
 def test_engine_with_adaptive_policy_stays_lossless_and_records_draft_lengths():
