@@ -302,24 +302,12 @@ def _best(ids: np.ndarray, z: np.ndarray, k: int) -> np.ndarray:
 
 
 def _top_candidates(
-    logits: np.ndarray, params: SamplingParams, changed: tuple[np.ndarray, np.ndarray] | None, k: int
+    logits: np.ndarray, params: SamplingParams, changed: tuple[np.ndarray, np.ndarray], k: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids, penalised float64 logits) of a set holding the k best penalised logits (maybe more).
     Untouched tokens keep their raw logits, so the best k of them are among the best k + len(touched)
-    raw ones; the touched tokens are added with their new values. `changed` None: no penalty, and
-    banned tokens (at -inf) are simply left out."""
+    raw ones; the touched tokens (`changed`, from _penalised) are added with their new values."""
     n = logits.shape[0]
-    if changed is None:
-        banned = params.banned_set
-        ids = top_k_ids(logits, min(n, k + len(banned)))
-        if banned:
-            kept = [i for i in ids.tolist() if i not in banned]
-            if len(kept) >= k:  # else too few tokens are left: fall through to the general case
-                ids = np.array(kept, dtype=np.int64)
-                return ids, logits[ids].astype(np.float64)
-            changed = _penalised(logits, params, ())
-        else:
-            return ids, logits[ids].astype(np.float64)
     touched, values = changed
     raw = top_k_ids(logits, min(n, k + len(touched)))
     raw = raw[~np.isin(raw, touched)]
@@ -460,6 +448,7 @@ def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) 
             dist = _from_top(*top_sorted(logits, min(n_vocab, params.top_k + len(params.banned_set))), params, n_vocab)
             if dist is not None:
                 return dist
+            changed = _penalised(logits, params, ())  # the bans left too few: banned ids at -inf
         ids, z = _top_candidates(logits, params, changed, params.top_k)
         ids, z = _sorted(ids.tolist(), z.tolist())
         return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
