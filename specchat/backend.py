@@ -398,8 +398,13 @@ class LlamaCppBackend:
         return rows
 
     def _rows_in_place(self, logits_at: list[int]) -> np.ndarray:
-        """The last decode's output rows as one read-only view (valid until the next eval), or a copy
-        when llama.cpp does not hold them contiguously in batch order."""
+        """The last decode's output rows as one view (valid until the next eval; callers only read it),
+        or a copy when llama.cpp does not hold them contiguously in batch order.
+
+        The view is left writeable: numpy copies a read-only array before an argmax (its contiguous-input
+        request includes WRITEABLE), 1 MB per row at a 262k vocabulary, and the first copy of a larger
+        batch lands on fresh pages that can stall for 100-250 ms. The fake backend lends read-only
+        rows instead, so the tests still catch a caller that writes into one."""
         m = len(logits_at)
         if m == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
@@ -414,7 +419,6 @@ class LlamaCppBackend:
                     self._views.clear()  # the buffer moved: views of the old one must never be handed out
                 view = np.frombuffer((ctypes.c_float * (m * self.n_vocab)).from_address(first), dtype=np.float32)
                 view = view.reshape(m, self.n_vocab)
-                view.flags.writeable = False
                 self._views[(first, m)] = view
             return view
         return self._copy_rows(logits_at, range(m))

@@ -128,6 +128,7 @@ class FakeBackend:
         # rows lent in place are only valid until the next eval, as with llama.cpp's buffer: poison the
         # last ones so a caller that kept them reads NaN instead of silently stale logits
         if self._lent is not None:
+            self._lent.flags.writeable = True
             self._lent.fill(np.nan)
             self._lent = None
         start = len(self.tokens)
@@ -137,6 +138,8 @@ class FakeBackend:
         for r, i in enumerate(logits_at):
             rows[r] = self.logits_for(self.tokens[: start + i + 1])
         if in_place:
+            # lent read-only: the real backend's view is llama.cpp's buffer, which callers must never write
+            rows.flags.writeable = False
             self._lent = rows
         return rows
 

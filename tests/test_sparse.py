@@ -245,5 +245,7 @@ def test_fake_backend_poisons_rows_lent_in_place():
     """The guard that makes the engine tests catch a caller keeping rows across evals."""
     backend = FakeBackend(lambda ctx: np.arange(4, dtype=np.float32), 4)
     lent = backend.eval([1, 2], [0, 1], in_place=True)
+    with pytest.raises(ValueError):  # lent rows are llama.cpp's buffer in the real backend: never written
+        lent[0, 0] = 1.0
     kept = backend.eval([3], [0])
     assert np.isnan(lent).all() and not np.isnan(kept).any()
