@@ -122,13 +122,20 @@ def longest_match(hay: np.ndarray, n_hay: int, ids: np.ndarray, max_len: int,
     length = 1
     best = starts
     max_len = min(max_len, len(ids))
-    while length < max_len:
+    while length < max_len and len(starts) > 1:
         starts = starts[starts >= length]
         starts = starts[hay[starts - length] == ids[last - length]]
         if len(starts) == 0:
             break
         length += 1
         best = starts
+    if len(starts) == 1 and length < max_len:
+        # one candidate left: its whole match in one comparison of two slices, not a numpy round per
+        # token (a 32-token match inside a copied span would cost ~6 calls a token, each slow after a decode)
+        p = int(starts[0])
+        span = min(max_len, p + 1)
+        differs = np.flatnonzero(hay[p - span + 1 : p + 1][::-1] != ids[last - span + 1 : last + 1][::-1])
+        return p, int(differs[0]) if len(differs) else span
     return int(best[-1]), length
 
 

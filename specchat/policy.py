@@ -118,6 +118,11 @@ class CostModel:
         if self.measured:
             self._sendable[:] = False
             self._sendable[[n for n in self.sizes if n < 65]] = True
+        # the same as Python lists: the policy reads a few entries every step, right after a decode,
+        # when each numpy call costs several microseconds (see best_length)
+        self._table_list: list[float] = table.tolist()
+        self._sendable_list: list[bool] = self._sendable.tolist()
+        self._timed = (self.sizes[0], min(self.sizes[-1], 64))  # where the table is the calibration's line
 
     def sendable(self, n_max: int) -> np.ndarray:
         """For batch sizes 0..n_max: may the policy send a batch of that size?"""
@@ -129,7 +134,7 @@ class CostModel:
     def __call__(self, n: int) -> float:
         if n <= 0:
             return 0.0
-        return float(self.costs(n)[n]) if n < len(self._table) else float(self._extend(n)) * self.scale
+        return (self._table_list[n] if n < len(self._table_list) else self._extend(n)) * self.scale
 
     def costs(self, n_max: int) -> np.ndarray:
         """Seconds for batch sizes 0..n_max (index = size)."""
@@ -144,7 +149,9 @@ class CostModel:
         return float(self._table[-1] + slope * (n - len(self._table) + 1))
 
     def update(self, n: int, seconds: float, weight: float = 0.1) -> None:
-        expected = float(np.interp(n, self.sizes, self.seconds))
+        low, high = self._timed
+        # inside the calibrated range the table is that interpolation, already computed
+        expected = self._table_list[n] if low <= n <= high else float(np.interp(n, self.sizes, self.seconds))
         if expected > 0 and seconds > 0:
             ratio = min(max(seconds / expected, 0.25), 4.0)  # one stall must not swing the model
             self.scale = (1 - weight) * self.scale + weight * ratio
@@ -271,19 +278,34 @@ class Acceptance:
 
 
 def best_length(
-    a: np.ndarray, verify_cost: CostModel, draft_cost_per_token: float = 0.0, overhead: float = 0.0
+    a: Sequence[float], verify_cost: CostModel, draft_cost_per_token: float = 0.0, overhead: float = 0.0
 ) -> tuple[int, float]:
     """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost + per-step overhead), over the
     n whose batch n + 1 the cost model may send: (n, tokens per second). Within 1% of the best, the
-    shortest draft wins: the same speed for less work."""
-    expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
-    n = np.arange(len(a) + 1)
-    cost = verify_cost.costs(len(a) + 1)[1:] + n * draft_cost_per_token + overhead  # verify n drafts + 1
-    rates = np.where(verify_cost.sendable(len(a) + 1)[1:], expected / cost, 0.0)
-    if rates[1:].max(initial=0.0) < rates[0] * DRAFT_MARGIN:
-        return 0, float(rates[0])  # a predicted gain this small is inside the estimates' error
-    best = int(np.flatnonzero(rates >= rates.max() / 1.01)[0])
-    return best, float(rates[best])
+    shortest draft wins: the same speed for less work.
+
+    It runs every step between two decodes, when the CPU caches hold model weights and each numpy call
+    costs several microseconds whatever its size: for the at most 64 positions a Python loop is cheaper
+    (the same sums, in the same order, as 1 + cumsum(cumprod(a)))."""
+    a = a.tolist() if isinstance(a, np.ndarray) else list(a)
+    n_max = len(a)
+    table, sendable, scale = verify_cost._table_list, verify_cost._sendable_list, verify_cost.scale
+    if n_max + 1 >= len(table):  # past the table: the extended costs, as arrays
+        table, sendable, scale = verify_cost.costs(n_max + 1).tolist(), verify_cost.sendable(n_max + 1).tolist(), 1.0
+    rates = [0.0] * (n_max + 1)
+    accepted = 0.0  # expected accepted drafts among the first n
+    run = 1.0  # P(drafts 0..n-1 all accepted)
+    for n in range(n_max + 1):
+        if n:
+            run *= a[n - 1]
+            accepted += run
+        if sendable[n + 1]:
+            rates[n] = (1.0 + accepted) / (table[n + 1] * scale + n * draft_cost_per_token + overhead)
+    if max(rates[1:], default=0.0) < rates[0] * DRAFT_MARGIN:
+        return 0, rates[0]  # a predicted gain this small is inside the estimates' error
+    threshold = max(rates) / 1.01
+    best = next(n for n, rate in enumerate(rates) if rate >= threshold)
+    return best, rates[best]
 
 
 # matched n-gram lengths that share an estimate: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+
@@ -293,11 +315,16 @@ LOOKUP_PRIOR = np.array([0.3, 0.45, 0.55, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93]
 
 def match_bucket(length: int) -> int:
     """The bucket of a matched n-gram length (its smallest member): 1, 2, 3, 4, 6, 8, 12, 16, 24 or 32."""
-    return LOOKUP_BUCKETS[_bucket_index(np.asarray([length]))[0]]
+    return LOOKUP_BUCKETS[_bucket(length)]
 
 
-def _bucket_index(lengths: np.ndarray) -> np.ndarray:
-    return np.clip(np.searchsorted(LOOKUP_BUCKETS, lengths, side="right") - 1, 0, len(LOOKUP_BUCKETS) - 1)
+# bucket index of every length up to the last bucket's (longer lengths share the last), as a list: the
+# policy looks up one per draft position every step
+_BUCKET_OF = [max(0, sum(b <= m for b in LOOKUP_BUCKETS) - 1) for m in range(LOOKUP_BUCKETS[-1] + 1)]
+
+
+def _bucket(length: int) -> int:
+    return _BUCKET_OF[min(max(length, 0), LOOKUP_BUCKETS[-1])]
 
 
 class LookupAcceptance:
@@ -314,28 +341,37 @@ class LookupAcceptance:
 
     DECAY = 0.95  # per observation of a bucket: about the last twenty count, so it follows the reply
     PRIOR_WEIGHT = 2.0
+    # [history][after a miss][bucket]: an earlier reply is weaker evidence, a fresh match weaker than a
+    # span being followed
+    PRIOR = LOOKUP_PRIOR * np.array([1.0, 0.8])[:, None, None] * np.array([1.0, 0.7])[None, :, None]
+    _prior = PRIOR.tolist()
 
     def __init__(self) -> None:
         shape = (2, 2, len(LOOKUP_BUCKETS))  # [from history][after a miss][bucket]
         self.hits = np.zeros(shape)
         self.tries = np.zeros(shape)
         self.after_miss = True  # the run's first lookup token is a fresh match
+        self._table: list = []  # the estimates as nested lists: read every step, see best_length
+        self._refresh()
 
-    def rates(self, match: int, n: int, history: bool = False) -> np.ndarray:
-        idx = _bucket_index(match + np.arange(n))
-        h = int(history)
-        state = np.zeros(n, dtype=np.intp)
-        if n:
-            state[0] = int(self.after_miss)
-        # an earlier reply is weaker evidence, a fresh match weaker than a span being followed
-        prior = LOOKUP_PRIOR[idx] * (0.8 if history else 1.0) * np.where(state == 1, 0.7, 1.0)
-        return (self.hits[h, state, idx] + self.PRIOR_WEIGHT * prior) / (self.tries[h, state, idx] + self.PRIOR_WEIGHT)
+    def _refresh(self) -> None:
+        """[history][after a miss][bucket] -> the estimate, from the counts."""
+        self._table = ((self.hits + self.PRIOR_WEIGHT * self.PRIOR) / (self.tries + self.PRIOR_WEIGHT)).tolist()
+
+    def rates(self, match: int, n: int, history: bool = False) -> list[float]:
+        if n <= 0:
+            return []
+        table = self._table[int(history)]
+        span = table[0]
+        return [table[int(self.after_miss)][_bucket(match)]] + [span[_bucket(match + i)] for i in range(1, n)]
 
     def add(self, match: int, hit: bool, history: bool = False) -> None:
         """One checked token: the proposal continuing an m-token match was right or wrong."""
-        h, m, b = int(history), int(self.after_miss), int(_bucket_index(np.asarray([match]))[0])
-        self.hits[h, m, b] = self.hits[h, m, b] * self.DECAY + hit
-        self.tries[h, m, b] = self.tries[h, m, b] * self.DECAY + 1.0
+        h, m, b = int(history), int(self.after_miss), _bucket(match)
+        hits = float(self.hits[h, m, b]) * self.DECAY + hit
+        tries = float(self.tries[h, m, b]) * self.DECAY + 1.0
+        self.hits[h, m, b], self.tries[h, m, b] = hits, tries
+        self._table[h][m][b] = (hits + self.PRIOR_WEIGHT * self._prior[h][m][b]) / (tries + self.PRIOR_WEIGHT)
         self.after_miss = not hit
 
     def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
@@ -360,6 +396,7 @@ class LookupAcceptance:
             return False
         scale = np.where(tries > trust, trust / np.maximum(tries, 1e-12), 1.0)
         self.hits, self.tries = hits * scale, tries * scale
+        self._refresh()
         return True
 
 

@@ -49,6 +49,33 @@ def test_longest_match_beats_a_later_shorter_one():
     assert PromptLookup(1, 4).find(context, 5)[1] == 4
 
 
+def _brute_force_match(hay, n_hay, ids, max_len, usable=None):
+    """Every position p < n_hay, its trailing match with ids counted one token at a time."""
+    best = (-1, 0)
+    for p in range(n_hay):
+        if usable is not None and not usable[p]:
+            continue
+        length = 0
+        while length < min(max_len, len(ids), p + 1) and hay[p - length] == ids[len(ids) - 1 - length]:
+            length += 1
+        if length and length >= best[1]:
+            best = (p, length)  # the latest among equals
+    return best
+
+
+def test_longest_match_is_the_brute_force_answer_on_repetitive_streams():
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        vocab = int(rng.integers(2, 8))
+        base = rng.integers(0, vocab, int(rng.integers(1, 20)))
+        ids = np.concatenate([base] * int(rng.integers(1, 5)) + [rng.integers(0, vocab, 30)])[: int(rng.integers(2, 120))]
+        for max_len in (1, 3, 32):
+            assert longest_match(ids, len(ids) - 1, ids, max_len) == _brute_force_match(ids, len(ids) - 1, ids, max_len)
+        hay = rng.integers(-1, vocab, int(rng.integers(1, 150)))  # an earlier-replies stream, -1 separators
+        usable = np.append(hay[1:] >= 0, False)
+        assert longest_match(hay, len(hay) - 1, ids, 32, usable) == _brute_force_match(hay, len(hay) - 1, ids, 32, usable)
+
+
 def test_among_equal_matches_the_latest_wins():
     context = [5, 6, 1, 5, 6, 2, 5, 6, 3, 5, 6]
     assert PromptLookup(1, 32).find(context, 1) == ([3], 2)
