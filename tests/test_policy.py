@@ -11,6 +11,7 @@ from specchat.drafters import PromptLookup
 from specchat.engine import Finished, generate
 from specchat.policy import (
     DRAFT_MARGIN,
+    LOOKUP_MARGIN,
     DraftModelPolicy,
     LookupPolicy,
     CostModel,
@@ -83,6 +84,28 @@ def test_best_length_is_exactly_the_argmax_of_the_formula():
             assert rates[n] >= max(rates) / 1.01 - 1e-12
             assert all(r < max(rates) / 1.01 for r in rates[:n])  # the shortest such draft
         assert rate == pytest.approx(rates[n])
+
+
+def _gain(a):
+    n, rate = best_length(a, CPU, margin=1.0)
+    return rate * CPU(1)  # the best predicted rate over plain decoding's
+
+
+def test_a_lookup_draft_must_promise_more_than_a_model_draft():
+    # an acceptance whose best draft is predicted 4-10% faster than plain decoding
+    p = next(p for p in np.arange(0.50, 1.0, 0.002) if DRAFT_MARGIN < _gain(np.full(16, p)) < LOOKUP_MARGIN)
+    a = np.full(16, p)
+    assert best_length(a, CPU)[0] > 0  # a draft model's estimate: sent
+    assert best_length(a, CPU, margin=LOOKUP_MARGIN) == (0, pytest.approx(1 / CPU(1)))  # lookup's: not
+    policy = LookupPolicy(CPU, draft_max=16)
+    for history in policy.lookup._table:  # every lookup estimate at p
+        for state in history:
+            state[:] = [p] * len(state)
+    assert policy.trim(list(range(16)), 8.0) == 0
+    for history in policy.lookup._table:
+        for state in history:
+            state[:] = [0.99] * len(state)
+    assert policy.trim(list(range(16)), 8.0) > 0
 
 
 def test_draft_model_as_costly_as_the_target_is_never_used():
