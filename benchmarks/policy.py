@@ -44,7 +44,7 @@ def prompt_ids(target, text: str) -> list[int]:
     return render(target, [{"role": "user", "content": text}]).token_ids
 
 
-def timed_run(target, drafter, ids, policy, n: int) -> tuple[float, int, float | None]:
+def timed_run(target, drafter, ids, policy, n: int) -> tuple[float, list[int], float | None]:
     target.truncate(0)
     if drafter is not None and drafter.backend is not None:  # prompt lookup has no model
         drafter.backend.truncate(0)
@@ -54,7 +54,7 @@ def timed_run(target, drafter, ids, policy, n: int) -> tuple[float, int, float |
         if isinstance(event, Finished):
             finished = event
     s = finished.stats
-    return s.emitted / s.generate_seconds, s.emitted, s.acceptance_rate
+    return s.emitted / s.generate_seconds, finished.token_ids, s.acceptance_rate
 
 
 def main() -> None:
@@ -102,9 +102,13 @@ def main() -> None:
             loaded = Loaded(target, drafter, config.model(model), None, label)
             settings = {"target-only": None, **{f"k={k}": int(k) for k in a.fixed.split(",")}, "policy": "policy"}
             tps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+            # greedy runs can still part from target-only's text (a batch's logits flip a near-tie): then
+            # their speeds time different work. Counted per setting: prompts whose text stayed the same.
+            same_text: dict[str, int] = defaultdict(int)
             for i, item in enumerate(chosen):
                 ids = prompt_ids(target, item.turns[0])
                 speeds: dict[str, list[float]] = defaultdict(list)
+                texts: dict[str, list[int]] = {}
                 for rep in range(a.reps):
                     names = list(settings)
                     shift = (i + rep) % len(names)
@@ -112,16 +116,18 @@ def main() -> None:
                     for name in names:
                         setting = settings[name]
                         if setting is None:
-                            speed, _, _ = timed_run(target, None, ids, FixedPolicy(0), a.n)
+                            speed, text, _ = timed_run(target, None, ids, FixedPolicy(0), a.n)
                         elif setting == "policy":
                             # a fresh policy per run, as one `specchat prompt` gets it: costs are cached,
                             # acceptance estimates start from what earlier runs saved (SPECCHAT_HOME)
-                            speed, _, _ = timed_run(target, drafter, ids, make_policy(loaded, 64, None), a.n)
+                            speed, text, _ = timed_run(target, drafter, ids, make_policy(loaded, 64, None), a.n)
                         else:
-                            speed, _, _ = timed_run(target, drafter, ids, FixedPolicy(setting), a.n)
+                            speed, text, _ = timed_run(target, drafter, ids, FixedPolicy(setting), a.n)
                         speeds[name].append(speed)
+                        texts.setdefault(name, text)
                 for name, values in speeds.items():
                     tps[item.category][name].append(statistics.median(values))
+                    same_text[name] += texts[name] == texts["target-only"]
             print(f"\n## {model} + {label}   (tok/s, and ratio to target-only)")
             names = list(settings)
             print(f"{'category':<15}" + "".join(f"{n:>20}" for n in names))
@@ -137,6 +143,8 @@ def main() -> None:
             print(f"{'overall':<15}" + "".join(
                 f"{'':>20}" if n == "target-only" else f"{'':>11}({statistics.geometric_mean(overall[n]):4.2f}x)"
                 for n in names))
+            print("same text as target-only (prompts): " + ", ".join(
+                f"{n} {same_text[n]}/{len(chosen)}" for n in names if n != "target-only"))
         target.close()
         if draft_backend is not None:
             draft_backend.close()

@@ -127,8 +127,11 @@ def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int
     if out.returncode != 0 or not m:
         raise RuntimeError(f"llama.cpp failed ({out.returncode}):\n{log[-3000:]}")
     accept = re.search(r"accept\s+=\s+([\d.]+)%", log)
+    # stdout is the prompt (after a <bos> mark) and then the generated text
+    start = out.stdout.find(prompt)
+    text = out.stdout[start + len(prompt):] if start >= 0 else ""
     return {"tokens": int(m.group(1)), "seconds": float(m.group(2)), "tps": float(m.group(3)),
-            "accept": float(accept.group(1)) / 100 if accept else None}
+            "accept": float(accept.group(1)) / 100 if accept else None, "text": text}
 
 
 def run_specchat(model_name: str, prompt: str, *, n: int, threads: int, extra: list[str], env: dict | None = None) -> dict:
@@ -137,10 +140,25 @@ def run_specchat(model_name: str, prompt: str, *, n: int, threads: int, extra: l
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"specchat failed: {out.stderr[-2000:]}")
-    stats = json.loads(out.stdout)["stats"]
+    doc = json.loads(out.stdout)
+    stats = doc["stats"]
     return {"tokens": stats["generated_tokens"], "seconds": stats["generate_seconds"],
             "tps": stats["tokens_per_second"], "accept": stats["acceptance_rate"], "drafted": stats["drafted"],
-            "accepted": stats["accepted"], "steps": stats["steps"]}
+            "accepted": stats["accepted"], "steps": stats["steps"], "pieces": [t["text"] for t in doc["tokens"]]}
+
+
+def same_tokens(pieces: list[str], text: str) -> int:
+    """How many of specchat's tokens (their text pieces) `text` starts with: where two greedy runs part.
+
+    Greedy outputs of two speculative runs need not be the same text: a batch's logits differ slightly
+    from one token's, so a near-tie can go either way, and after it the two texts differ. Their speeds
+    then measure different work (one text may repeat itself, which lookup copies)."""
+    at = 0
+    for i, piece in enumerate(pieces):
+        if text[at : at + len(piece)] != piece:
+            return i
+        at += len(piece)
+    return len(pieces)
 
 
 TRACE = """
@@ -177,8 +195,12 @@ def lookup_vs_ngram(binary: Path, gemma: Path, a) -> None:
 
     llama.cpp's loop stops only after the step that passes -n, so it decodes up to -n + its draft length
     (168-193 tokens for -n 128), and later tokens of a reply are often easier to predict. So each
-    llama.cpp drafter is compared with a specchat run that generates exactly as many tokens (the same
-    text, greedy): the counts come from one untimed llama.cpp run per drafter first."""
+    llama.cpp drafter is compared with a specchat run that generates exactly as many tokens: the counts
+    come from one untimed llama.cpp run per drafter first.
+
+    Both sides are greedy, but their texts can still part (see same_tokens), so each pair's texts are
+    compared too: the ratio is printed for all prompts and, separately, against the best drafter whose
+    text is specchat's over every compared token (the same work, timed on both sides)."""
     import tempfile
 
     home = tempfile.mkdtemp(prefix="specchat-bench-")
@@ -187,12 +209,13 @@ def lookup_vs_ngram(binary: Path, gemma: Path, a) -> None:
     print("llama.cpp tok/s per drafter (tokens it decoded); specchat tok/s over the same number of tokens")
     print(f"{'prompt':<15}" + "".join(f"{t:>19}" for t in NGRAM_TYPES) + f"{'best':>14}{'specchat':>10}{'ratio':>8}"
           f"{'no-spec':>9}{'vs no-spec':>11}")
-    ratios = []
+    ratios, same_ratios, agreement = [], [], []
     for i, (kind, prompt) in enumerate(LOOKUP_PROMPTS.items()):
-        lengths = {t: run_llamacpp(binary, gemma, prompt, n=a.n, threads=a.threads, draft=0, ngram=t)["tokens"]
-                   for t in NGRAM_TYPES}
+        first = {t: run_llamacpp(binary, gemma, prompt, n=a.n, threads=a.threads, draft=0, ngram=t) for t in NGRAM_TYPES}
+        lengths = {t: r["tokens"] for t, r in first.items()}
         ref = {t: [] for t in NGRAM_TYPES}
         mine = {n: [] for n in set(lengths.values())}
+        pieces: dict[int, list[str]] = {}
         plain, counts = [], []
         for rep in range(a.reps):
             order = [0, 1] if (i + rep) % 2 == 0 else [1, 0]
@@ -204,15 +227,29 @@ def lookup_vs_ngram(binary: Path, gemma: Path, a) -> None:
                     for n in mine:
                         r = run_specchat("gemma-3-270m", prompt, n=n, threads=a.threads, extra=[], env=env)
                         mine[n].append(r["tps"])
+                        pieces.setdefault(n, r["pieces"])
                         counts.append(f"{r['accepted']}/{r['drafted']} in {r['steps']}")
                     plain.append(run_specchat("gemma-3-270m", prompt, n=a.n, threads=a.threads, extra=["--no-spec"], env=env)["tps"])
         med = {t: statistics.median(v) for t, v in ref.items()}
         best = max(med, key=med.get)
         ours, base = statistics.median(mine[lengths[best]]), statistics.median(plain)
         ratios.append(ours / med[best])
+        same = {t: same_tokens(pieces[lengths[t]], first[t]["text"]) for t in NGRAM_TYPES}
+        # the last token may be cut differently at the end of the text: one short still counts as the same
+        alike = [t for t in NGRAM_TYPES if same[t] >= lengths[t] - 1]
+        if alike:
+            best_alike = max(alike, key=med.get)
+            same_ratios.append(statistics.median(mine[lengths[best_alike]]) / med[best_alike])
+        agreement.append(f"{kind}: " + ", ".join(f"{t} {same[t]}/{lengths[t]}" for t in NGRAM_TYPES))
         print(f"{kind:<15}" + "".join(f"{med[t]:>13.1f} ({lengths[t]:>3})" for t in NGRAM_TYPES) + f"{med[best]:>14.1f}"
               f"{ours:>10.1f}{ours / med[best]:>7.2f}x{base:>9.1f}{ours / base:>10.2f}x   accepted/drafted in steps: {', '.join(counts)}")
     print(f"geometric mean specchat / best llama.cpp n-gram drafter = {statistics.geometric_mean(ratios):.2f}x")
+    print("tokens of specchat's text that each llama.cpp drafter's text starts with (of the tokens compared):")
+    for line in agreement:
+        print("  " + line)
+    if same_ratios:
+        print(f"on the same text (the best drafter whose text is specchat's, {len(same_ratios)} of "
+              f"{len(LOOKUP_PROMPTS)} prompts): geometric mean {statistics.geometric_mean(same_ratios):.2f}x")
     # a fresh process on a prompt type seen before: how soon it drafts at its steady length
     kind = "summarisation"
     trace = draft_trace(LOOKUP_PROMPTS[kind], n=a.n, threads=a.threads, env=env)
