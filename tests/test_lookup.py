@@ -287,7 +287,8 @@ def test_engine_saves_estimates_when_a_generation_ends(tmp_path):
     path = tmp_path / "acceptance.json"
     wanted = [1, 2, 3, 4, 5, 6] * 6
     target = FakeBackend(lambda ctx: np.eye(8)[wanted[len(ctx) % len(wanted)]] * 9, 8)
-    policy = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
+    # its own cost model: the engine teaches it the fake's microsecond timings, which must not reach CPU
+    policy = LookupPolicy(CostModel(CPU.sizes, CPU.seconds), draft_max=64, store=AcceptanceStore(path, "k"))
     for _ in generate(target, PromptLookup(), wanted[:12], GREEDY, max_tokens=20, policy=policy):
         pass
     assert AcceptanceStore(path, "k").load()

@@ -53,9 +53,25 @@ def test_cost_model_follows_the_machine_online_but_not_one_stall():
     for _ in range(60):
         model.update(1, 0.02)  # the machine got twice as slow
     assert model(1) == pytest.approx(0.02, rel=0.01)
+    assert model(2) == pytest.approx(0.04, rel=0.01)  # batches with it
     before = model.scale
-    model.update(2, 100.0)  # one 100 s stall moves the scale by at most weight * 4x
+    model.update(1, 100.0)  # one 100 s stall moves the scale by at most weight * 4x
     assert model.scale <= before * 0.9 + 0.1 * 4.0 + 1e-9
+    model.update(2, 100.0)  # nor, in a batch, the batches' factor by more than its weight * 2x
+    assert model.batch <= 0.8 * 1.0 + 0.2 * 2.0 + 1e-9
+
+
+def test_batches_dearer_than_calibrated_make_marginal_drafts_wait():
+    model = CostModel([1, 2, 4, 8, 16], [0.015, 0.025, 0.038, 0.069, 0.101])
+    a = np.full(8, 0.9)
+    assert best_length(a, model)[0] > 0  # the calibration says 90% acceptance pays
+    for _ in range(20):
+        model.update(1, 0.015)  # plain steps cost what calibration said
+        model.update(8, 0.069 * 1.4)  # batches of 8 cost 40% more than it said
+    assert model.scale == pytest.approx(1.0) and model.batch == pytest.approx(1.4, rel=0.02)
+    assert model(1) == pytest.approx(0.015) and model(8) == pytest.approx(0.069 * 1.4, rel=0.02)
+    assert model.costs(8)[8] == pytest.approx(model(8))
+    assert best_length(a, model)[0] < best_length(a, CostModel(model.sizes, model.seconds))[0]
 
 
 def test_best_length_cpu_needs_high_acceptance_gpu_does_not():
