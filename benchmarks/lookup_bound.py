@@ -39,7 +39,7 @@ from specchat.config import load_config  # noqa: E402
 from specchat.drafters import PromptLookup  # noqa: E402
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.paths import cache_dir  # noqa: E402
-from specchat.policy import AcceptanceStore, CostModel, FixedPolicy, LookupPolicy, cached_cost_model  # noqa: E402
+from specchat.policy import CostModel, FixedPolicy, LookupPolicy, cached_cost_model  # noqa: E402
 from specchat.report import load_prompts  # noqa: E402
 from specchat.sampling import SamplingParams  # noqa: E402
 from specchat.sources import resolve  # noqa: E402
@@ -100,15 +100,26 @@ def replay_seconds(prompt: list[int], reply: list[int], cost: CostModel, overhea
     return seconds
 
 
+class MemoryStore:
+    """AcceptanceStore's load/save in memory: what one replayed run leaves, the next one starts from
+    (discounted by the policy itself, as between processes)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, dict] = {}
+
+    def load(self) -> dict[str, dict]:
+        return self.tables
+
+    def save(self, tables: dict[str, dict]) -> None:
+        self.tables = tables
+
+
 class ReplayedLookupPolicy(LookupPolicy):
     """LookupPolicy with a fixed per-step overhead (a replay has no wall clock to learn it from)."""
 
-    def __init__(self, cost: CostModel, overhead: float, saved: dict | None):
-        super().__init__(CostModel(cost.sizes, cost.seconds, measured=True), draft_max=64)
+    def __init__(self, cost: CostModel, overhead: float, store: MemoryStore):
+        super().__init__(CostModel(cost.sizes, cost.seconds, measured=True), draft_max=64, store=store)
         self.overhead = overhead
-        for name, estimate in self._estimates().items():
-            if saved and name in saved:
-                estimate.absorb(saved[name], AcceptanceStore.TRUST)
 
     def _observe_overhead(self, step: StepStats) -> None:
         pass
@@ -154,17 +165,17 @@ def main() -> None:
             replies.append(finished.token_ids)
         target.close()
 
-        saved = None
+        store = MemoryStore()
         for (_, prompt), reply in zip(cases, replies):  # warm-up: estimates as a seen-before process has them
-            policy = ReplayedLookupPolicy(cost, overhead, saved)
+            policy = ReplayedLookupPolicy(cost, overhead, store)
             replay_seconds(prompt, reply, cost, overhead, policy)
-            saved = policy.tables()
+            policy.finish()
         ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for (cat, prompt), reply in zip(cases, replies):
             plain = len(reply) * (cost(1) + overhead)
-            policy = ReplayedLookupPolicy(cost, overhead, saved)
+            policy = ReplayedLookupPolicy(cost, overhead, store)
             ratios[cat]["policy"].append(plain / replay_seconds(prompt, reply, cost, overhead, policy))
-            saved = policy.tables()
+            policy.finish()
             fixed = replay_seconds(prompt, reply, cost, overhead, FixedPolicy(8))
             ratios[cat]["k=8"].append(plain / fixed)
             ratios[cat]["bound"].append(plain / bound_seconds(proposals(prompt, reply), reply, cost, overhead))
