@@ -50,7 +50,10 @@ class Backend(Protocol):
     n_ctx: int
     tokens: list[int]  # what the KV cache holds, in order
     evaluated: int  # tokens evaluated since load (tests count KV reuse with it)
-    rollback_recoveries: int
+    rollback_recoveries: int  # cuts that had to re-read everything (should stay 0)
+    reevaluated: int  # tokens evaluated again after a checkpoint restore
+    rollback_seconds: float  # spent saving and restoring recurrent-state checkpoints
+    memory: MemoryKind  # how the cache can be cut
     name: str
     path: Path | None  # the model file (None for a model with no file): the policy's cost cache key
     n_threads: int  # as the model runs (the cost cache key: costs depend on them)
@@ -65,6 +68,11 @@ class Backend(Protocol):
 
     def truncate(self, n_keep: int) -> None:
         """Keep only the first n_keep cached tokens."""
+
+    def checkpoint(self, batch: int | None = None, *, turn: bool = False) -> None:
+        """The caller will evaluate more tokens, then may cut back to the current length (a draft model
+        before drafting, the engine before a verify batch of `batch` tokens, `turn`: where a reply starts):
+        a recurrent model saves what it needs to make that cut cheap. A no-op for attention caches."""
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
 
@@ -96,11 +104,12 @@ class Backend(Protocol):
         """Free the model and its context."""
 
 
-def sync(backend: Backend, tokens: Sequence[int], logits_last: bool) -> np.ndarray | None:
+def sync(backend: Backend, tokens: Sequence[int], logits_last: bool, *, turn: bool = False) -> np.ndarray | None:
     """Make the cache hold exactly `tokens`, evaluating only what differs from what it holds already
     (the KV reuse that makes a chat turn cost only its new tokens). With logits_last, return the logits
     row after the last token, re-evaluating that token if it was already cached (read it before the
-    backend's next eval: it may be the backend's own buffer)."""
+    backend's next eval: it may be the backend's own buffer). `turn`: a new turn starts here; a recurrent
+    model keeps a copy of its state where the kept part ends, for a next turn that rewrites this one."""
     cached = backend.tokens
     limit = min(len(cached), len(tokens))
     tokens = list(tokens)
@@ -116,6 +125,8 @@ def sync(backend: Backend, tokens: Sequence[int], logits_last: bool) -> np.ndarr
     rest = list(tokens[common:])
     if not rest:
         return None
+    if turn and common:
+        backend.checkpoint(turn=True)
     rows = backend.eval(rest, [len(rest) - 1] if logits_last else [], in_place=True)
     return rows[0] if logits_last else None
 
@@ -162,6 +173,16 @@ def quiet_llama_logs(lib) -> None:
 def gguf_context_length(path: Path) -> int | None:
     """The context length a GGUF file says its model was trained for (`<arch>.context_length`), read
     from the header without loading anything; None when it cannot be read."""
+    return gguf_header(path)[1]
+
+
+def gguf_arch(path: Path) -> str | None:
+    """The file's `general.architecture` ("llama", "qwen35", "mamba2", ...), or None."""
+    return gguf_header(path)[0]
+
+
+def gguf_header(path: Path) -> tuple[str | None, int | None]:
+    """(architecture, trained context length) from a GGUF header, without loading anything."""
     import struct
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
@@ -191,7 +212,7 @@ def gguf_context_length(path: Path) -> int | None:
                     raise ValueError(kind)
 
             if f.read(4) != GGUF_MAGIC or read("I") < 2:
-                return None
+                return None, None
             read("Q")  # tensors
             values: dict[bytes, int] = {}
             arch = None
@@ -203,9 +224,10 @@ def gguf_context_length(path: Path) -> int | None:
                     values[key] = read(ints[kind])
                 else:
                     skip(kind)
-            return values.get((arch or b"") + b".context_length")
+            name = arch.decode("utf-8", "replace") if arch else None
+            return name, values.get((arch or b"") + b".context_length")
     except (OSError, ValueError, struct.error):
-        return None
+        return None, None
 
 
 def default_gpu_layers() -> int:
@@ -219,13 +241,14 @@ FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
 
 
 @contextmanager
-def flash_attention(mode: str):
-    """While a `Llama` loads, give its context llama.cpp's flash-attention setting `mode`.
+def context_params(flash_attn: str, n_rs_seq: int = 0):
+    """While a `Llama` loads, give its context llama.cpp's flash-attention setting and `n_rs_seq`.
 
-    llama-cpp-python 0.3.36's `Llama(flash_attn=...)` offers only on and off, and defaults to off; llama.cpp
+    llama-cpp-python 0.3.36's `Llama(...)` offers flash attention only on and off, defaulting to off; llama.cpp
     (llama-cli, llama-server, llama-bench) defaults to auto, which turns it on where every layer's device
-    supports it. Off costs ~9% of decode speed on CPU (gemma-3-270m, 2 threads). This wraps the one class
-    that receives the context params, for the duration of the load."""
+    supports it. Off costs ~9% of decode speed on CPU (gemma-3-270m, 2 threads). `n_rs_seq` (recurrent-state
+    snapshots per sequence, see MemoryKind) has no keyword at all. This wraps the one class that receives
+    the context params, for the duration of the load."""
     import llama_cpp
     import llama_cpp._internals as internals
 
@@ -233,19 +256,94 @@ def flash_attention(mode: str):
         "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
         "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
         "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-    }[mode]
+    }[flash_attn]
     original = internals.LlamaContext
 
-    class WithFlashAttention(original):
+    class WithOurParams(original):
         def __init__(self, *, model, params, verbose=True):
             params.flash_attn_type = value
+            params.n_rs_seq = n_rs_seq
             super().__init__(model=model, params=params, verbose=verbose)
 
-    internals.LlamaContext = WithFlashAttention
+    internals.LlamaContext = WithOurParams
     try:
         yield
     finally:
         internals.LlamaContext = original
+
+
+# llama.cpp's own lists (src/llama-arch.cpp), for saying what a model file is without loading it. A loaded
+# model asks llama.cpp itself (llama_model_is_recurrent / _is_hybrid, llama_n_rs_seq).
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})  # llm_arch_is_recurrent
+HYBRID_ARCHS = frozenset({  # llm_arch_is_hybrid: attention layers beside recurrent ones
+    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
+    "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp",
+    "deepseek4", "minimax-01",
+})
+SNAPSHOT_ARCHS = frozenset({  # llm_arch_supports_rs_rollback: n_rs_seq snapshots honoured
+    "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
+    "lfm2", "lfm2moe", "bailingmoe3",
+})
+# Snapshots kept per sequence on archs that support them: a verify batch of up to this many drafts is cut
+# back without a copy. Each costs one recurrent state (tens of MB on a 27B hybrid), so like llama.cpp's
+# --draft-max default (16) this stays small; a longer draft takes a checkpoint instead.
+MAX_SNAPSHOTS = 16
+STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: only the recurrent (or SWA) part of a sequence
+
+
+@dataclass(frozen=True)
+class MemoryKind:
+    """How a model's cache can be cut back after a rejected draft.
+
+    - "kv": attention only; any suffix can be removed for free (llama_memory_seq_rm).
+    - "snapshots": a recurrent state with `snapshots` per-token copies written by every decode: a cut of up
+      to that many tokens inside the last batch is free. Longer cuts use a checkpoint.
+    - "checkpoints": a recurrent state that cannot be cut: before a batch that may be cut, its recurrent
+      part is copied (`state_bytes`), restored on a partial acceptance, and the kept tokens evaluated again.
+    - "none": a recurrent state this llama.cpp can neither cut nor copy: every cut re-reads the whole
+      context, so the loader switches drafting off for it.
+    """
+
+    kind: str
+    arch: str = ""
+    snapshots: int = 0
+    state_bytes: int = 0  # one copy of the recurrent part of a sequence's state
+
+    @property
+    def recurrent(self) -> bool:
+        return self.kind != "kv"
+
+    def describe(self) -> str:
+        """A few words for the chat header and `--stats`."""
+        if self.kind == "kv":
+            return "KV cache"
+        if self.kind == "none":
+            return "recurrent, cannot be cut back"
+        if self.kind == "snapshots":
+            return f"recurrent, {self.snapshots} snapshots ({_size(self.snapshots * self.state_bytes)})"
+        return f"recurrent, checkpoints ({_size(self.state_bytes)} each)"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def arch_memory(arch: str | None) -> str:
+    """The memory kind an architecture name implies, before loading ("kv", "snapshots", "checkpoints")."""
+    if arch in SNAPSHOT_ARCHS:
+        return "snapshots"
+    if arch in RECURRENT_ARCHS or arch in HYBRID_ARCHS:
+        return "checkpoints"
+    return "kv"
+
+
+@dataclass
+class _Checkpoint:
+    """The recurrent part of the sequence state after the first `n_tokens` tokens."""
+
+    n_tokens: int
+    data: object  # ctypes uint8 buffer, reused while its size fits
+    size: int  # of the state in it
 
 
 class LlamaCppBackend:
@@ -263,7 +361,11 @@ class LlamaCppBackend:
         name: str | None = None,
         rpc: Sequence[str] = (),
         flash_attn: str = "auto",
+        snapshots: int = MAX_SNAPSHOTS,
     ):
+        """`snapshots`: recurrent-state snapshots to keep where the architecture supports them (the longest
+        draft whose batch can be cut back without a copy); 0 for a model whose cache is cut after single-
+        token decodes (a draft model), where snapshots of one batch cannot help."""
         import llama_cpp
 
         quiet_llama_logs(llama_cpp)
@@ -280,7 +382,7 @@ class LlamaCppBackend:
         from .rpc import model_devices
 
         try:
-            with model_devices(devices), flash_attention(flash_attn):
+            with model_devices(devices), context_params(flash_attn, snapshots):
                 self.llm = llama_cpp.Llama(
                     str(path),
                     n_ctx=n_ctx,
@@ -325,12 +427,24 @@ class LlamaCppBackend:
         for j in range(n_batch):  # every token of ours is in sequence 0
             self._batch.n_seq_id[j] = 1
             self._batch.seq_id[j][0] = 0
+        # `tokens` is what the cache holds as far as callers are concerned. The memory itself holds its
+        # first `_held` tokens, which can differ between a cut and the next decode: cuts are settled then
+        # (see _settle), so two cuts in a row cost one, and tokens kept after a checkpoint restore are
+        # evaluated again inside the next batch instead of in a decode of their own.
         self.tokens: list[int] = []
+        self._held = 0
+        self._last_batch = 0  # tokens in the last decode: the snapshots cover cuts inside it only
+        # recurrent-state copies: "step" (before a batch that may be cut) and "turn" (where a reply
+        # started, so a next turn that rewrites the last one does not re-read the whole conversation)
+        self._checkpoints: dict[str, _Checkpoint] = {}
         self.evaluated = 0
         self.rollback_recoveries = 0
+        self.reevaluated = 0  # tokens evaluated again after a checkpoint restore
+        self.rollback_seconds = 0.0  # spent saving and restoring checkpoints
         self._views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view, see eval
         self._piece_cache: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.memory = self._memory_kind()
 
     # -- evaluation --------------------------------------------------------------------------------
 
@@ -341,6 +455,14 @@ class LlamaCppBackend:
                 f"context full: {len(self.tokens)} + {n} tokens > -c {self.n_ctx}; raise -c or shorten the prompt"
             )
         logits_at = list(logits_at)
+        if self._held != len(self.tokens):
+            redo = self._settle()
+            if redo:  # kept tokens after a checkpoint restore: evaluated first, in the same batch
+                self.reevaluated += len(redo)
+                del self.tokens[self._held :]  # _decode appends them again
+                tokens = [*redo, *tokens]
+                logits_at = [len(redo) + i for i in logits_at]
+                n = len(tokens)
         b = self._batch
         if n <= min(SMALL_BATCH, self.n_batch):
             # The per-step path (a verify batch, one draft token). Right after a decode the CPU caches
@@ -383,9 +505,15 @@ class LlamaCppBackend:
         self.tokens.extend(chunk)
         rc = self._lib.llama_decode(self.llm.ctx, self._batch)
         if rc != 0:
-            self._lib.llama_memory_seq_rm(self._mem, 0, n_before, -1)
             del self.tokens[n_before:]
+            # llama.cpp restores its memory after a failed decode; if it holds more than before, drop that
+            # (a recurrent state that cannot be cut is rebuilt by the next decode)
+            if not self._lib.llama_memory_seq_rm(self._mem, 0, n_before, -1):
+                self._lib.llama_memory_clear(self._mem, True)
+                self._held = 0
             raise BackendError(f"llama_decode failed with code {rc} ({self.name})")
+        self._held = len(self.tokens)
+        self._last_batch = len(chunk)
         self.evaluated += len(chunk)
 
     def _copy_rows(self, batch_idx, row_idx, rows: np.ndarray | None = None) -> np.ndarray:
@@ -424,25 +552,104 @@ class LlamaCppBackend:
         return self._copy_rows(logits_at, range(m))
 
     def truncate(self, n_keep: int) -> None:
-        if n_keep >= len(self.tokens):
-            return
-        lib = self._lib
-        ok = lib.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
-        if ok and self.n_swa > 0 and n_keep > 0:
-            # Sliding-window layers recycle cells that fell out of the window. Rolling back past them
-            # leaves the next query without keys it needs; llama.cpp's server checks the same bound.
-            pos_min = lib.llama_memory_seq_pos_min(self._mem, 0)
-            ok = 0 <= pos_min <= max(0, n_keep - self.n_swa)
-        if ok:
+        """Keep the first n_keep tokens. The memory is cut when it is next used (_settle)."""
+        if n_keep < len(self.tokens):
             del self.tokens[n_keep:]
+
+    def checkpoint(self, batch: int | None = None, *, turn: bool = False) -> None:
+        """The caller will evaluate more and may then cut back to the current length: make that cut cheap.
+        `batch`: the size of the one eval that follows before the cut (None: several may), which
+        recurrent snapshots can undo without a copy. `turn`: the start of a reply, kept while the reply's
+        own steps take theirs. A no-op for attention-only models."""
+        if self.memory.kind == "kv":
             return
-        # The cache no longer matches a prefix of our token list: rebuild it from scratch.
+        started = time.perf_counter()
+        if self._held != len(self.tokens):
+            redo = self._settle()
+            if redo:  # a checkpoint must be taken at a decode boundary: evaluate what was kept now
+                self.reevaluated += len(redo)
+                del self.tokens[self._held :]
+                self.eval(redo, [])
+        if self.memory.kind == "snapshots" and batch is not None and batch - 1 <= self.memory.snapshots:
+            self.rollback_seconds += time.perf_counter() - started
+            return
+        lib, ctx, slot = self._lib, self.llm.ctx, "turn" if turn else "step"
+        size = lib.llama_state_seq_get_size_ext(ctx, 0, STATE_PARTIAL)
+        held = self._checkpoints.pop(slot, None)
+        data = held.data if held is not None and len(held.data) >= size else (ctypes.c_uint8 * size)()
+        if not lib.llama_state_seq_get_data_ext(ctx, data, size, 0, STATE_PARTIAL):
+            raise BackendError(f"llama.cpp could not copy the recurrent state of {self.name}")
+        self._checkpoints[slot] = _Checkpoint(len(self.tokens), data, size)
+        self.rollback_seconds += time.perf_counter() - started
+
+    def _settle(self) -> list[int]:
+        """Bring the memory back to a prefix of `tokens` after cuts; return the tokens after that prefix,
+        which the next decode must evaluate first (none, unless a checkpoint was restored)."""
+        n = len(self.tokens)
+        if self._held > n:
+            self._cut(n)
+        return self.tokens[self._held :]
+
+    def _cut(self, n: int) -> None:
+        """Make the memory hold its first n tokens, the cheapest way this model allows."""
+        lib = self._lib
+        removed = self._held - n
+        # a copy of a state past the cut is of tokens about to be replaced
+        self._checkpoints = {k: c for k, c in self._checkpoints.items() if c.n_tokens <= n}
+        # an attention cache cuts anywhere; a recurrent one at 0 (a reset) or within the last batch's
+        # snapshots (llama.cpp does not check that the snapshot was written: a batch of m tokens writes m)
+        can_rm = (self.memory.kind == "kv" or n == 0
+                  or (self.memory.kind == "snapshots" and removed <= min(self.memory.snapshots, self._last_batch - 1)))
+        if can_rm and lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+            ok = True
+            if self.n_swa > 0 and n > 0:
+                # Sliding-window layers recycle cells that fell out of the window. Rolling back past them
+                # leaves the next query without keys it needs; llama.cpp's server checks the same bound.
+                pos_min = lib.llama_memory_seq_pos_min(self._mem, 0)
+                ok = 0 <= pos_min <= max(0, n - self.n_swa)
+            if ok:
+                self._held = n
+                self._last_batch = 0  # a snapshot cut is single-use until the next decode
+                return
+        ckpt = max(self._checkpoints.values(), key=lambda c: c.n_tokens, default=None)
+        if ckpt is not None:
+            started = time.perf_counter()
+            restored = lib.llama_state_seq_set_data_ext(self.llm.ctx, ckpt.data, ckpt.size, 0, STATE_PARTIAL)
+            # the attention layers of a hybrid keep their cells: drop those after the checkpoint
+            if restored and lib.llama_memory_seq_rm(self._mem, 0, ckpt.n_tokens, -1):
+                self.rollback_seconds += time.perf_counter() - started
+                self._held = ckpt.n_tokens
+                self._last_batch = 0
+                return
+            # llama.cpp refused its own copy: say so rather than carry on from a state nobody knows
+            self.rollback_recoveries += 1
+            lib.llama_memory_clear(self._mem, True)
+            self._held = self._last_batch = 0
+            self._checkpoints = {}
+            raise BackendError(f"restoring the recurrent-state checkpoint of {self.name} failed; its cache was "
+                               "reset and the next reply reads the conversation again")
+        # Nothing can cut here: start over, and the next decode reads everything again.
         self.rollback_recoveries += 1
-        keep = self.tokens[:n_keep]
         lib.llama_memory_clear(self._mem, True)
-        self.tokens = []
-        if keep:
-            self.eval(keep, [])
+        self._held = 0
+        self._last_batch = 0
+        self._checkpoints = {}
+
+    def _memory_kind(self) -> MemoryKind:
+        """What llama.cpp says about this model's memory (common_context_can_seq_rm asks the same)."""
+        lib, model = self._lib, self._model
+        arch = self.metadata.get("general.architecture", "")
+        if not (lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model)):
+            return MemoryKind("kv", arch)
+        # the size of one copy of the recurrent state, as a checkpoint will take it: after one token
+        self.eval([max(0, self.vocab.bos)], [])
+        state = lib.llama_state_seq_get_size_ext(self.llm.ctx, 0, STATE_PARTIAL)
+        lib.llama_memory_clear(self._mem, True)
+        self.tokens, self._held, self._last_batch, self.evaluated = [], 0, 0, 0
+        snapshots = lib.llama_n_rs_seq(self.llm.ctx)  # 0 where the arch does not support them
+        if state == 0 and snapshots == 0:  # nothing to copy it with, and no snapshots: it cannot be cut
+            return MemoryKind("none", arch)
+        return MemoryKind("snapshots" if snapshots > 0 else "checkpoints", arch, snapshots, state)
 
     # -- vocabulary --------------------------------------------------------------------------------
 

@@ -102,6 +102,9 @@ class ChatSession:
         placement = self.loaded.target.placement
         if placement:
             self.notice(f"layers: {placement}")
+        memory = self.loaded.memory_line()
+        if memory:
+            self.notice(memory)
         if not self.conversation.templated:
             self.notice(f"{target} has no chat template: using the plain 'User: … / Assistant: …' format, "
                         "stopped at the next 'User:'")

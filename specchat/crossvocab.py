@@ -392,7 +392,7 @@ class CrossVocabDrafter:
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         self._fold(prompt_ids)
         if 0 < len(self._ids) < self.backend.n_ctx:
-            sync(self.backend, self._ids[:-1], logits_last=False)
+            sync(self.backend, self._ids[:-1], logits_last=False, turn=True)
 
     def room(self) -> int:
         return self.backend.n_ctx
@@ -410,6 +410,7 @@ class CrossVocabDrafter:
         if room <= 1:
             return Draft()
         row = sync(self.backend, self._ids, logits_last=True)
+        self.backend.checkpoint()  # its drafts are cut after the verify (a recurrent model copies its state)
         rule = self.rule_for(params)
         dparams = self._draft_params(params)
         banned = params.banned_set

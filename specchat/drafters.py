@@ -67,7 +67,7 @@ class DraftModel:
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         if len(prompt_ids) >= self.backend.n_ctx:
             return  # the prompt alone fills the draft's context: propose() will decline to draft
-        sync(self.backend, prompt_ids[:-1], logits_last=False)
+        sync(self.backend, prompt_ids[:-1], logits_last=False, turn=True)
 
     def room(self) -> int:
         return self.backend.n_ctx
@@ -79,6 +79,8 @@ class DraftModel:
         if k <= 0:
             return draft
         row = sync(self.backend, context, logits_last=True)
+        if k > 1:  # the drafts evaluated next are cut after the verify (a recurrent model copies its state)
+            self.backend.checkpoint()
         history = list(context) if params.has_penalty else ()
         confidence = 1.0
         for i in range(k):

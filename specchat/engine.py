@@ -98,11 +98,14 @@ def generate(
         policy = FixedPolicy(0 if drafter is None else 8)
     rng = rng if rng is not None else np.random.default_rng(params.seed)
     stats = RunStats(prompt_tokens=len(prompt_ids))
-    recoveries_before = target.rollback_recoveries
+    # every model whose cache this run cuts: the target and a draft model's
+    draft_backend = getattr(drafter, "backend", None)  # a test's scripted drafter may not say
+    backends = [target] + ([draft_backend] if draft_backend is not None else [])
+    recoveries_before = sum(b.rollback_recoveries for b in backends)
 
     started = time.perf_counter()
     evaluated_before = target.evaluated
-    sync(target, prompt_ids[:-1], logits_last=False)
+    sync(target, prompt_ids[:-1], logits_last=False, turn=True)
     if drafter is not None and policy.drafting_possible:
         drafter.prefill(prompt_ids)
     stats.prompt_tokens_evaluated = target.evaluated - evaluated_before + 1  # the last one goes with step 1
@@ -136,6 +139,9 @@ def generate(
             n_send = policy.trim(proposed, draft.confidence, draft.source) if proposed else 0
             drafts, q = proposed[:n_send], draft.q[:n_send]
             t1 = time.perf_counter()
+            rollback_before = target.rollback_seconds
+            if drafts:  # a recurrent target copies its state now if it cannot otherwise cut this batch back
+                target.checkpoint(len(drafts) + 1)
             rows = target.eval([context[-1], *drafts], range(len(drafts) + 1), in_place=True)
             # p_i is conditioned on context + d<i: penalties must see the drafts before position i
             # (the history list is built only when a penalty will read it: this is the per-token path)
@@ -152,6 +158,7 @@ def generate(
             # the cache holds context[:-1] + [context[-1]] + drafts: keep through the accepted ones
             target.truncate(len(context) + n_accepted)
             t2 = time.perf_counter()
+            rollback = target.rollback_seconds - rollback_before
 
             if not drafts:
                 sources = ["target"]
@@ -182,8 +189,9 @@ def generate(
                 emitted=len(emitted),
                 decided=len(emitted) + (finish == "eog"),
                 draft_seconds=t1 - t0,
-                verify_seconds=t2 - t1,
+                verify_seconds=t2 - t1 - rollback,
                 planned=k,
+                rollback_seconds=rollback,
                 source=draft.source if drafts else "",
             )
             stats.add(step)
@@ -201,7 +209,7 @@ def generate(
         # the kept conversation minus its last token, so the next turn can reuse it.
         target.truncate(len(context) - 1)
         stats.generate_seconds = time.perf_counter() - gen_started
-        stats.rollback_recoveries = target.rollback_recoveries - recoveries_before
+        stats.rollback_recoveries = sum(b.rollback_recoveries for b in backends) - recoveries_before
         policy.finish()
     tail = "" if finish == "stop" else detok.flush() + stopper.flush()
     pieces.append(tail)

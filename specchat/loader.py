@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .backend import Backend, BackendError, LlamaCppBackend
+from .backend import MAX_SNAPSHOTS, Backend, BackendError, LlamaCppBackend
 from .config import PROMPT_LOOKUP, Config, ModelSpec
 from .drafters import DraftModel, Drafter, HybridDrafter, IncompatibleDraft, PromptLookup
 from .sources import resolve
@@ -33,6 +33,9 @@ class LoadOptions:
     cross_vocab: str = "auto"  # rule for a draft with another tokenizer: auto | slem | tli
     rpc: tuple[str, ...] | None = None  # --rpc: workers for the target's layers (None = models.toml's)
     flash_attn: str = "auto"  # -fa: auto | on | off, for both models
+    # --draft-max: a recurrent target keeps this many state snapshots (at most MAX_SNAPSHOTS) where its
+    # architecture supports them, so a verify batch of up to that many drafts is cut back without a copy
+    draft_max: int = MAX_SNAPSHOTS
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Loaded:
     target_spec: ModelSpec
     draft_spec: ModelSpec | None  # None for prompt lookup and for no drafter
     drafter_label: str  # "prompt-lookup", a draft model name, "prompt-lookup + NAME" (hybrid), or "none"
+    # why drafting is off although a drafter was asked for (one line for the user), or None
+    drafting_off: str | None = None
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` in the target's chat template (or the fallback for base models)."""
@@ -55,6 +60,17 @@ class Loaded:
         from .policy import DRAFT_MAX, make_policy
 
         return make_policy(self, DRAFT_MAX if draft_max is None else draft_max, draft_fixed)
+
+    def memory_line(self) -> str | None:
+        """How each model's cache is cut after a rejected draft, when one is recurrent (None otherwise):
+        the chat header and `prompt --stats` show it."""
+        backends = [("target", self.target)]
+        if self.drafter is not None and self.drafter.backend is not None:
+            backends.append(("draft", self.drafter.backend))
+        if not any(b.memory.recurrent for _, b in backends):
+            return None
+        line = "memory: " + " · ".join(f"{role} {b.memory.describe()}" for role, b in backends)
+        return line + (f" · {self.drafting_off}" if self.drafting_off else "")
 
     def close(self) -> None:
         for backend in (self.target, self.drafter.backend if self.drafter is not None else None):
@@ -104,11 +120,13 @@ def load(
     status(f"loading target {target_spec.name}" + (f" onto RPC {','.join(rpc)}" if rpc else ""))
     target = LlamaCppBackend(
         target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name,
-        rpc=rpc, flash_attn=opts.flash_attn,
+        rpc=rpc, flash_attn=opts.flash_attn, snapshots=min(max(opts.draft_max, 0), MAX_SNAPSHOTS),
     )
     try:
         if selection.draft is None:
             return Loaded(target, None, target_spec, None, "none")
+        if target.memory.kind == "none":  # every rejected draft would re-read the conversation
+            return Loaded(target, None, target_spec, None, "none", drafting_off=_cannot_cut(target))
         history = None
         if opts.lookup_history and (selection.draft == PROMPT_LOOKUP or selection.hybrid):
             from .history import reply_history
@@ -128,6 +146,7 @@ def load(
             n_threads=threads,
             name=draft_spec.name,
             flash_attn=opts.flash_attn,
+            snapshots=0,  # drafts are evaluated one token a batch: snapshots of a batch cannot undo them
         )
         try:
             try:
@@ -142,6 +161,13 @@ def load(
         except BackendError:
             draft_backend.close()
             raise
+        if drafter.backend.memory.kind == "none":
+            if not selection.hybrid:
+                draft_backend.close()
+                return Loaded(target, None, target_spec, None, "none", drafting_off=_cannot_cut(drafter.backend))
+            draft_backend.close()  # the hybrid keeps its free half: prompt lookup
+            return Loaded(target, lookup, target_spec, None, PROMPT_LOOKUP, drafting_off=_cannot_cut(drafter.backend)
+                          .replace("drafting off", "the draft model is off; prompt lookup drafts"))
         if selection.hybrid:
             return Loaded(target, HybridDrafter(lookup, drafter), target_spec, draft_spec,
                           f"{PROMPT_LOOKUP} + {draft_spec.name}")
@@ -149,3 +175,8 @@ def load(
     except BaseException:
         target.close()
         raise
+
+
+def _cannot_cut(backend: Backend) -> str:
+    return (f"drafting off: {backend.name}'s recurrent state ({backend.memory.arch}) can be neither cut back nor "
+            "copied by this llama.cpp, so every rejected draft would re-read the whole conversation")

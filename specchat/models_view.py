@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from .backend import BackendError, check_compatible, read_vocab
+from .backend import BackendError, arch_memory, check_compatible, gguf_arch, read_vocab
 from .config import PROMPT_LOOKUP, Config, ConfigError
 from .crossvocab import file_vocab_map, vocabulary_note
 from .sources import SourceError, describe, is_present, resolve
@@ -13,7 +13,7 @@ from .sources import SourceError, describe, is_present, resolve
 
 def models_tables(config: Config) -> list[Table]:
     models = Table(title="Models", title_justify="left")
-    for column in ("name", "source", "file", "layers", "description"):
+    for column in ("name", "source", "file", "memory", "layers", "description"):
         models.add_column(column, overflow="fold")
     present: dict[str, bool] = {}
     for name, spec in config.models.items():
@@ -21,6 +21,7 @@ def models_tables(config: Config) -> list[Table]:
         # names and descriptions are the user's text, shown as written ("the [models] extra")
         models.add_row(escape(name), escape(describe(spec)),
                        "[green]present[/]" if present[name] else "[dim]not downloaded[/]",
+                       _memory(spec) if present[name] else "[dim]?[/]",
                        escape(_layers(spec.rpc)), escape(spec.description))
 
     pairs = Table(title="Pairs", title_justify="left")
@@ -33,6 +34,21 @@ def models_tables(config: Config) -> list[Table]:
         pairs.add_row(escape(name), escape(pair.target), escape(drafter), _compatibility(config, pair, vocabs),
                       escape(_layers(rpc)), escape(pair.description))
     return [models, pairs]
+
+
+# how a rejected draft is undone (README "Hybrid and recurrent models")
+MEMORY_WORDS = {"kv": "KV cache", "snapshots": "recurrent, snapshots", "checkpoints": "recurrent, checkpoints"}
+
+
+def _memory(spec) -> str:
+    """The model's architecture and how its cache is cut after a rejected draft (from the file's header)."""
+    try:
+        arch = gguf_arch(resolve(spec, download=False))
+    except (SourceError, ConfigError):
+        return "[dim]?[/]"
+    if arch is None:
+        return "[dim]?[/]"
+    return escape(f"{arch} · {MEMORY_WORDS[arch_memory(arch)]}")
 
 
 def _layers(rpc: tuple[str, ...]) -> str:

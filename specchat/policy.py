@@ -183,6 +183,8 @@ class CostModel:
     def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = 3) -> CostModel:
         """Time real evaluations of each batch size after what the cache holds, then roll them back."""
         keep = len(backend.tokens)
+        if keep:
+            backend.checkpoint()  # a recurrent model comes back to `keep` from its copy
         room = backend.n_ctx - keep
         sizes = [n for n in sizes if n <= room] or [1]
         filler = [backend.tokens[-1] if backend.tokens else 1]
@@ -302,7 +304,7 @@ class Acceptance:
 
 def best_length(
     a: Sequence[float], verify_cost: CostModel, draft_cost_per_token: float = 0.0, overhead: float = 0.0,
-    margin: float = DRAFT_MARGIN,
+    margin: float = DRAFT_MARGIN, rollback: float = 0.0,
 ) -> tuple[int, float]:
     """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost + per-step overhead), over the
     n whose batch n + 1 the cost model may send: (n, tokens per second). Within 1% of the best, the
@@ -310,7 +312,10 @@ def best_length(
 
     It runs every step between two decodes, when the CPU caches hold model weights and each numpy call
     costs several microseconds whatever its size: for the at most 64 positions a Python loop is cheaper
-    (the same sums, in the same order, as 1 + cumsum(cumprod(a)))."""
+    (the same sums, in the same order, as 1 + cumsum(cumprod(a))).
+
+    `rollback`: what a step that drafts anything costs on top (a recurrent target's checkpoint: the copy,
+    and on a rejection the restore and the kept tokens evaluated again), as observed."""
     a = a.tolist() if isinstance(a, np.ndarray) else list(a)
     n_max = len(a)
     table, sendable = verify_cost._table_list, verify_cost._sendable_list
@@ -325,7 +330,8 @@ def best_length(
             run *= a[n - 1]
             accepted += run
         if sendable[n + 1]:
-            rates[n] = (1.0 + accepted) / (table[n + 1] * (batch if n else one) + n * draft_cost_per_token + overhead)
+            rates[n] = (1.0 + accepted) / (table[n + 1] * (batch if n else one) + n * draft_cost_per_token + overhead
+                                           + (rollback if n else 0.0))
     if max(rates[1:], default=0.0) < rates[0] * margin:
         return 0, rates[0]  # a predicted gain this small is inside the estimates' error
     threshold = max(rates) / 1.01
@@ -489,6 +495,8 @@ class AdaptivePolicy:
         # Seconds per step spent outside drafting and verifying (bookkeeping, the consumer drawing
         # tokens). Paid once per step whatever k is, so it favours longer drafts.
         self.overhead = 0.0
+        # Seconds a drafting step spends on the target's recurrent-state checkpoints (0 for a KV cache)
+        self.rollback = 0.0
         self._last_observed: float | None = None
         self._setup()
         self.drafting_possible = self._drafting_possible()
@@ -534,6 +542,8 @@ class AdaptivePolicy:
 
     def _observe_costs(self, step: StepStats) -> None:
         self._observe_overhead(step)
+        if step.drafted:
+            self.rollback = 0.8 * self.rollback + 0.2 * step.rollback_seconds
         self.verify_cost.update(step.drafted + 1, step.verify_seconds)
 
 
@@ -563,7 +573,8 @@ class DraftModelPolicy(AdaptivePolicy):
         if not self.model_possible or limit <= 0:
             return 0, 1.0 / (self.verify_cost(1) + self.overhead)
         per_token = self.draft_cost(1) if self.draft_cost else 0.0
-        return best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token, self.overhead)
+        return best_length(self.model_acceptance.rates(limit), self.verify_cost, per_token, self.overhead,
+                           rollback=self.rollback)
 
     def plan(self, limit: int) -> int:
         limit = min(limit, self.draft_max)
@@ -608,7 +619,7 @@ class LookupPolicy(AdaptivePolicy):
 
     def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
         return best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead,
-                           LOOKUP_MARGIN)
+                           LOOKUP_MARGIN, self.rollback)
 
     def plan(self, limit: int) -> int:
         return max(0, min(limit, self.draft_max))  # lookup's proposal is free: look first, decide in trim
@@ -714,7 +725,7 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bo
     starting from the estimates earlier runs saved for this target and drafter (unless remember=False)."""
     from .paths import cache_dir
 
-    if loaded.drafter is None or draft_max == 0:
+    if loaded.drafter is None or draft_max == 0 or getattr(loaded, "drafting_off", None):
         return FixedPolicy(0)
     if draft_fixed is not None:
         return FixedPolicy(draft_fixed)

@@ -103,7 +103,7 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         n_ctx=args.ctx_size, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngld, n_threads=args.threads,
         draft_p_min=args.draft_p_min, draft_min=args.draft_min, lookup_min=args.lookup_min,
         lookup_max=args.lookup_max, lookup_history=args.lookup_history, cross_vocab=cross_vocab,
-        rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn,
+        rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn, draft_max=args.draft_max,
     )
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
                       stop=stops, ignore_eos=args.ignore_eos)
@@ -128,6 +128,8 @@ def loading(config: Config, run: RunOptions, console: Console):
             loaded = load(config, run.selection, run.load, status=lambda m: spinner.update(m + "…"))
     else:
         loaded = load(config, run.selection, run.load)
+    if loaded.drafting_off:
+        console.print(loaded.drafting_off, style="yellow")
     try:
         yield loaded
     finally:

@@ -28,6 +28,9 @@ class StepStats:
     decided: int | None = None
     # who drafted: "draft-model", "prompt-lookup", "history" (earlier replies); "" when nothing was
     source: str = ""
+    # the target's checkpoint work for this step (a recurrent model without snapshots; see backend.py),
+    # not part of verify_seconds: the policy learns it apart from what batches cost
+    rollback_seconds: float = 0.0
 
 
 @dataclass
@@ -41,6 +44,7 @@ class RunStats:
     decided: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    rollback_seconds: float = 0.0
     prefill_seconds: float = 0.0
     generate_seconds: float = 0.0
     prompt_tokens: int = 0
@@ -50,7 +54,7 @@ class RunStats:
     accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps
     draft_lengths: Counter = field(default_factory=Counter)  # drafted tokens per step -> steps
     drafted_by: Counter = field(default_factory=Counter)  # drafted tokens per source (StepStats.source)
-    rollback_recoveries: int = 0  # KV rollbacks that failed and were repaired by re-evaluating
+    rollback_recoveries: int = 0  # cache cuts that failed and were repaired by re-evaluating (all models)
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
@@ -60,6 +64,7 @@ class RunStats:
         self.decided += s.emitted if s.decided is None else s.decided
         self.draft_seconds += s.draft_seconds
         self.verify_seconds += s.verify_seconds
+        self.rollback_seconds += s.rollback_seconds
         while len(self.position_tries) < s.drafted:
             self.position_tries.append(0)
             self.position_hits.append(0)
@@ -74,7 +79,7 @@ class RunStats:
 
     def merge(self, other: RunStats) -> None:
         for name in ("steps", "drafted", "accepted", "emitted", "decided", "draft_seconds", "verify_seconds",
-                     "prefill_seconds", "generate_seconds", "prompt_tokens", "prompt_tokens_evaluated",
+                     "rollback_seconds", "prefill_seconds", "generate_seconds", "prompt_tokens", "prompt_tokens_evaluated",
                      "rollback_recoveries"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i, (tries, hits) in enumerate(zip(other.position_tries, other.position_hits)):
@@ -135,6 +140,7 @@ class RunStats:
             "generate_seconds": self.generate_seconds,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "rollback_seconds": self.rollback_seconds,
             "tokens_per_second": self.tokens_per_second,
             "end_to_end_tokens_per_second": self.end_to_end_tokens_per_second,
             "rollback_recoveries": self.rollback_recoveries,

@@ -202,8 +202,10 @@ def breakdown(stats: RunStats) -> Text:
         f"{stats.prompt_tokens} prompt tokens evaluated) · generation {stats.generate_seconds:.2f} s · "
         f"drafting {_pct(share)} of step time · end to end {stats.end_to_end_tokens_per_second or 0.0:.1f} tok/s"
     )
+    if stats.rollback_seconds:
+        out.append(f" · recurrent-state checkpoints {stats.rollback_seconds * 1000:.0f} ms")
     if stats.rollback_recoveries:
-        out.append(f" · {stats.rollback_recoveries} KV rollbacks repaired")
+        out.append(f" · {stats.rollback_recoveries} cache cuts repaired by re-reading the context")
     return out
 
 

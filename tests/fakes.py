@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from specchat.backend import BackendError, VocabInfo
+from specchat.backend import BackendError, MemoryKind, VocabInfo
 from specchat.drafters import Draft, DraftModel
 from specchat.sampling import SamplingParams, sample
 
@@ -71,7 +71,12 @@ class FakeBackend:
         vocab_type: int = 1,
         chat_template: str | None = None,
         cache: bool = True,
+        memory: str = "kv",
+        fail_restore: bool = False,
     ):
+        """memory="checkpoints": a recurrent model whose state cannot be cut (see MemoryKind): the rows
+        come from the tokens its state has really seen (`held`), so a cut that is not undone through a
+        checkpoint shows up as wrong logits or as a counted recovery. fail_restore: restoring raises."""
         self._logits_fn = logits_fn
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
@@ -79,6 +84,14 @@ class FakeBackend:
         self.tokens: list[int] = []
         self.evaluated = 0
         self.rollback_recoveries = 0
+        self.reevaluated = 0
+        self.rollback_seconds = 0.0
+        self.memory = MemoryKind(memory)
+        self.fail_restore = fail_restore
+        self.held: list[int] = []  # what a recurrent state has seen (== tokens for an attention cache)
+        self.checkpoints: list[int] = []  # the length at each checkpoint taken
+        self.restores = 0
+        self._saved: dict[str, list[int]] = {}  # checkpoint slot ("step", "turn") -> the tokens it holds
         self.eog = frozenset(eog)
         self.pieces = list(pieces) if pieces is not None else byte_vocab(n_vocab)
         assert len(self.pieces) == n_vocab
@@ -131,12 +144,14 @@ class FakeBackend:
             self._lent.flags.writeable = True
             self._lent.fill(np.nan)
             self._lent = None
-        start = len(self.tokens)
+        self._settle()
+        start = len(self.held)
         self.tokens.extend(tokens)
+        self.held.extend(tokens)
         self.evaluated += len(tokens)
         rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
         for r, i in enumerate(logits_at):
-            rows[r] = self.logits_for(self.tokens[: start + i + 1])
+            rows[r] = self.logits_for(self.held[: start + i + 1])
         if in_place:
             # lent read-only: the real backend's view is llama.cpp's buffer, which callers must never write
             rows.flags.writeable = False
@@ -149,6 +164,38 @@ class FakeBackend:
         self.removed.append(max(0, len(self.tokens) - n_keep))
         if n_keep < len(self.tokens):
             del self.tokens[n_keep:]
+        if self.memory.kind == "kv":
+            del self.held[n_keep:]
+
+    def checkpoint(self, batch: int | None = None, *, turn: bool = False) -> None:
+        if self.memory.kind == "kv":
+            return
+        self._settle()
+        self.checkpoints.append(len(self.tokens))
+        self._saved["turn" if turn else "step"] = list(self.held)
+
+    def _settle(self) -> None:
+        """A recurrent state that has seen more than `tokens` goes back to the checkpoint and evaluates the
+        kept tokens again; without a usable checkpoint it starts over (a counted recovery)."""
+        if self.held == self.tokens:
+            return
+        if self.held != self.tokens[: len(self.held)]:  # the state has seen tokens that were cut since
+            usable = [c for c in self._saved.values() if c == self.tokens[: len(c)]]
+            saved = max(usable, key=len, default=None)
+            if saved is not None:
+                if self.fail_restore:  # as the real backend: start over, and say so
+                    self.held, self._saved = [], {}
+                    self.rollback_recoveries += 1
+                    raise BackendError(f"restoring the recurrent-state checkpoint of {self.name} failed")
+                self.restores += 1
+                self.held = list(saved)
+            else:
+                self.rollback_recoveries += 1
+                self.held, self._saved = [], {}
+        redo = self.tokens[len(self.held):]
+        self.reevaluated += len(redo)
+        self.evaluated += len(redo)
+        self.held.extend(redo)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Greedy longest match over the pieces (the first token wins among equal pieces)."""

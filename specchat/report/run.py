@@ -69,6 +69,7 @@ def stats_from_dict(d: dict) -> RunStats:
         draft_lengths=Counter({int(k): v for k, v in d["draft_lengths"].items()}),
         drafted_by=Counter(d.get("drafted_by", {})),
         rollback_recoveries=d.get("rollback_recoveries", 0),
+        rollback_seconds=d.get("rollback_seconds", 0.0),
     )
 
 

@@ -1,0 +1,164 @@
+"""Models whose cache cannot be cut (recurrent and hybrid architectures) on fakes: every rejected draft is
+undone from a checkpoint, never by re-reading the conversation, and the output is still the target's.
+
+`FakeBackend(memory="checkpoints")` computes its rows from the tokens its state has really seen, so a
+cut that is not undone shows up as wrong rows (or as a counted recovery). The same paths on real llama.cpp
+architectures are in test_hybrid_models.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakes import ALPHA, CHATML, FakeBackend, chi2_pvalue, first_two_emitted, make_draft_model
+
+import specchat
+from specchat.backend import BackendError
+from specchat.engine import Finished, TokenEvent, generate
+from specchat.policy import FixedPolicy
+from specchat.sampling import SamplingParams, process
+
+EV = 5
+_rs = np.random.default_rng(21)
+TABLE = _rs.normal(0, 0.8, (EV, EV)) + 2.0 * np.eye(EV)
+DRAFT_TABLE = TABLE + _rs.normal(0, 0.9, (EV, EV))
+PARITY = _rs.normal(0, 1.0, EV)  # the rows also depend on the context length: an extra token shows
+PROMPT = [1, 3, 2, 4]
+SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+GREEDY = SamplingParams(temperature=0.0)
+DRAWS = 10_000
+
+
+def context_logits(table):
+    return lambda ctx: table[ctx[-1]] + (1 if len(ctx) % 2 else -1) * PARITY
+
+
+def markov(table):
+    return lambda ctx: table[ctx[-1]]
+
+
+def recurrent_pair(draft_fn=context_logits(DRAFT_TABLE)):
+    target = FakeBackend(context_logits(TABLE), EV, memory="checkpoints")
+    drafter, draft = make_draft_model(draft_fn, EV, memory="checkpoints")
+    return target, drafter, draft
+
+
+def test_a_long_run_with_rejections_never_rereads_the_context():
+    """Greedy on exact fakes: the text is plain greedy decoding's, drafts were rejected, and every cut of
+    both caches went through a checkpoint: no recovery, only the kept tokens evaluated again."""
+    target, drafter, draft = recurrent_pair(markov(TABLE))  # blind to the length: wrong at some positions
+    events = list(generate(target, drafter, PROMPT, GREEDY, max_tokens=240, policy=FixedPolicy(4)))
+    finished = events[-1]
+    plain = list(generate(FakeBackend(context_logits(TABLE), EV), None, PROMPT, GREEDY, max_tokens=240))[-1]
+    assert finished.token_ids == plain.token_ids and len(plain.token_ids) == 240
+    sources = {e.source for e in events if isinstance(e, TokenEvent)}
+    assert {"accepted", "resampled"} <= sources
+    assert finished.stats.rollback_recoveries == 0
+    assert target.rollback_recoveries == draft.rollback_recoveries == 0
+    assert target.restores > 0 and draft.restores > 0
+    # a restore evaluates again only what the step kept: at most the drafts and the step's first token
+    assert target.reevaluated <= target.restores * 5
+    assert target.tokens == (PROMPT + finished.token_ids)[:-1] == target.held
+
+
+def test_without_checkpoints_the_cut_is_a_counted_recovery():
+    """What the checkpoints prevent: the same run with them switched off re-reads the context on every
+    rejection (each counted), and still gives the right text."""
+    target, drafter, draft = recurrent_pair(markov(TABLE))
+    target.checkpoint = lambda batch=None, turn=False: None
+    draft.checkpoint = lambda batch=None, turn=False: None
+    finished = list(generate(target, drafter, PROMPT, GREEDY, max_tokens=60, policy=FixedPolicy(4)))[-1]
+    plain = list(generate(FakeBackend(context_logits(TABLE), EV), None, PROMPT, GREEDY, max_tokens=60))[-1]
+    assert finished.token_ids == plain.token_ids
+    assert finished.stats.rollback_recoveries > 5  # the draft model's recoveries count too
+    assert draft.rollback_recoveries > 0
+
+
+def expected_first_two(prompt, params):
+    fn = context_logits(TABLE)
+    p1 = np.asarray(process(np.asarray(fn(tuple(prompt))), params, prompt))
+    joint = np.zeros((EV, EV))
+    for a in range(EV):
+        joint[a] = p1[a] * np.asarray(process(np.asarray(fn(tuple(prompt + [a]))), params, prompt + [a]))
+    return joint
+
+
+def test_the_checkpoint_path_is_lossless_when_sampling():
+    """min(1, p/q) with a sampled draft model, k = 3, both caches recurrent: the first two emitted tokens
+    (the second often from the step after a restore) follow the target's own joint distribution."""
+    target, drafter, draft = recurrent_pair()
+    rng = np.random.default_rng(7)
+    counts = np.zeros((EV, EV), dtype=np.int64)
+    for _ in range(DRAWS):
+        a, b = first_two_emitted(generate(target, drafter, PROMPT, SAMPLED, max_tokens=8, policy=FixedPolicy(3),
+                                          rng=rng))
+        counts[a, b] += 1
+    expected = expected_first_two(PROMPT, SAMPLED)
+    pvalue = chi2_pvalue(counts, expected)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}\n{counts / DRAWS}\n{expected}"
+    assert target.restores > 100 and draft.restores > 100  # the path under test ran
+
+
+def test_the_check_sees_a_restore_that_forgets_the_kept_tokens():
+    """The power of the check above: a backend that restores its checkpoint but drops the kept tokens
+    (conditions the next step on a shorter context) fails it."""
+
+    class Forgetful(FakeBackend):
+        def _settle(self):
+            saved = self._saved.get("step")
+            if self.held != self.tokens and saved is not None:
+                self.held = list(saved)
+                self.tokens = list(saved)  # the bug: what was kept after the checkpoint is gone
+                return
+            super()._settle()
+
+    target = Forgetful(context_logits(TABLE), EV, memory="checkpoints")
+    drafter, _ = make_draft_model(context_logits(DRAFT_TABLE), EV)
+    rng = np.random.default_rng(8)
+    counts = np.zeros((EV, EV), dtype=np.int64)
+    for _ in range(2_000):
+        a, b = first_two_emitted(generate(target, drafter, PROMPT, SAMPLED, max_tokens=8, policy=FixedPolicy(3),
+                                          rng=rng))
+        counts[a, b] += 1
+    assert chi2_pvalue(counts, expected_first_two(PROMPT, SAMPLED)) < 1e-6
+
+
+def test_a_restore_that_fails_is_a_clear_error():
+    target = FakeBackend(context_logits(TABLE), EV, memory="checkpoints", fail_restore=True)
+    drafter, _ = make_draft_model(markov(TABLE), EV)
+    with pytest.raises(BackendError, match="restoring the recurrent-state checkpoint of fake failed"):
+        list(generate(target, drafter, PROMPT, GREEDY, max_tokens=100, policy=FixedPolicy(4)))
+    # nothing half-done is kept: the state starts over and the next run reads the context again
+    finished = list(generate(target, None, PROMPT, GREEDY, max_tokens=5))[-1]
+    plain = list(generate(FakeBackend(context_logits(TABLE), EV), None, PROMPT, GREEDY, max_tokens=5))[-1]
+    assert finished.token_ids == plain.token_ids
+
+
+def _letters(skew: int):
+    """A byte-vocabulary model whose next letter depends on the last token and the context length; with
+    skew, every third position differs (a draft model that is mostly right)."""
+
+    def fn(ctx):
+        row = np.zeros(128, dtype=np.float32)
+        row[97 + (ctx[-1] * 3 + len(ctx) + skew * (len(ctx) % 3 == 0)) % 7] = 10.0
+        return row
+
+    return fn
+
+
+def test_a_two_turn_chat_evaluates_only_new_tokens():
+    """Cache reuse across turns on a recurrent target: the second turn evaluates its new tokens and, at
+    most, the few tokens the first turn's last step kept after a restore."""
+    pieces = [bytes([i]) for i in range(128)]
+    target = FakeBackend(_letters(0), 128, memory="checkpoints", pieces=pieces, chat_template=CHATML, eog=(0,))
+    drafter, _ = make_draft_model(_letters(1), 128, memory="checkpoints", pieces=pieces, eog=(0,))
+    chat = specchat.Conversation(target, drafter, params=GREEDY, max_tokens=30, policy=FixedPolicy(3))
+    first = list(chat.send("Hello"))
+    held = list(target.tokens)
+    second = list(chat.send("And again"))[-1]
+    assert {e.source for e in first if isinstance(e, TokenEvent)} >= {"accepted", "resampled"}
+    assert isinstance(second, Finished) and second.prompt_token_ids[: len(held)] == held
+    new = len(second.prompt_token_ids) - len(held)
+    # the prompt's new tokens, plus what the first turn's last restore kept (at most its step's 4 tokens)
+    assert new <= second.stats.prompt_tokens_evaluated <= new + 4
+    assert target.restores > 0 and target.rollback_recoveries == 0
