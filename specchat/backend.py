@@ -503,17 +503,17 @@ class LlamaCppBackend:
         # so the list always covers what the cache holds and a later truncate can clean up
         n_before = len(self.tokens)
         self.tokens.extend(chunk)
+        self._held, self._last_batch = len(self.tokens), len(chunk)  # likewise
         rc = self._lib.llama_decode(self.llm.ctx, self._batch)
         if rc != 0:
             del self.tokens[n_before:]
+            self._held, self._last_batch = n_before, 0
             # llama.cpp restores its memory after a failed decode; if it holds more than before, drop that
             # (a recurrent state that cannot be cut is rebuilt by the next decode)
             if not self._lib.llama_memory_seq_rm(self._mem, 0, n_before, -1):
                 self._lib.llama_memory_clear(self._mem, True)
                 self._held = 0
             raise BackendError(f"llama_decode failed with code {rc} ({self.name})")
-        self._held = len(self.tokens)
-        self._last_batch = len(chunk)
         self.evaluated += len(chunk)
 
     def _copy_rows(self, batch_idx, row_idx, rows: np.ndarray | None = None) -> np.ndarray:

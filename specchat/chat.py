@@ -148,7 +148,8 @@ class ChatSession:
         gone = rpc.unreachable(endpoints)
         self.notice(f"loading {target.name} on this machine…")
         try:
-            local = LlamaCppBackend(target.path, n_ctx=target.n_ctx, n_threads=target.n_threads, name=target.name)
+            local = LlamaCppBackend(target.path, n_ctx=target.n_ctx, n_threads=target.n_threads, name=target.name,
+                                    snapshots=target.memory.snapshots)
         except BackendError as e:
             self.notice(str(e), "spec.error")
             return

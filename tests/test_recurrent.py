@@ -15,8 +15,9 @@ from fakes import ALPHA, CHATML, FakeBackend, chi2_pvalue, first_two_emitted, ma
 import specchat
 from specchat.backend import BackendError
 from specchat.engine import Finished, TokenEvent, generate
-from specchat.policy import FixedPolicy
+from specchat.policy import CostModel, DraftModelPolicy, FixedPolicy, best_length
 from specchat.sampling import SamplingParams, process
+from specchat.stats import StepStats
 
 EV = 5
 _rs = np.random.default_rng(21)
@@ -162,3 +163,50 @@ def test_a_two_turn_chat_evaluates_only_new_tokens():
     # the prompt's new tokens, plus what the first turn's last restore kept (at most its step's 4 tokens)
     assert new <= second.stats.prompt_tokens_evaluated <= new + 4
     assert target.restores > 0 and target.rollback_recoveries == 0
+
+
+# -- the policy prices checkpoints ----------------------------------------------------------------------
+
+GPU = CostModel([1, 2, 4, 8, 16], [0.020, 0.0202, 0.0205, 0.021, 0.022])  # verifying 8 ~ 1 token
+
+
+def test_a_checkpoint_that_costs_more_than_drafting_gains_stops_drafting():
+    """The same acceptance on the same machine: drafting pays without checkpoint costs, not when each
+    drafting step pays 200 ms of copies and restores; in between it still pays, with a longer draft."""
+    a = np.full(16, 0.8)
+    assert best_length(a, GPU)[0] > 0
+    assert best_length(a, GPU, rollback=0.2)[0] == 0
+    n_cheap, rate_cheap = best_length(a, GPU, rollback=0.005)
+    assert n_cheap >= best_length(a, GPU)[0] and rate_cheap < best_length(a, GPU)[1]
+
+
+def test_the_policy_learns_the_checkpoint_cost_from_the_steps():
+    policy = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1], [0.001]))
+    assert policy.plan(8) > 0
+    for _ in range(40):  # every drafting step spent 200 ms on its checkpoint; the drafts were good
+        policy.observe(StepStats(step=0, drafted=4, accepted=3, emitted=4, draft_seconds=0.004,
+                                 verify_seconds=0.021, rollback_seconds=0.2), [1, 2, 3, 4], [1, 2, 3, 9])
+    assert policy.rollback == pytest.approx(0.2, rel=0.01)
+    assert policy.plan(8) == 0
+
+
+def test_a_model_that_cannot_be_cut_gets_drafting_off(monkeypatch, tmp_path):
+    """llama.cpp can neither cut nor copy its state: the pair loads without a drafter, and says why."""
+    import tiny_models
+
+    from specchat.backend import LlamaCppBackend, MemoryKind
+    from specchat.config import load_config
+    from specchat.loader import LoadOptions, Selection, load
+    from specchat.policy import make_policy
+
+    target, draft = tiny_models.write_pair(tmp_path, "mamba2")
+    monkeypatch.setattr(LlamaCppBackend, "_memory_kind", lambda self: MemoryKind("none", "mamba2"))
+    loaded = load(load_config(), Selection(str(target), str(draft)), LoadOptions(n_ctx=256, n_threads=2))
+    try:
+        assert loaded.drafter is None and loaded.drafter_label == "none"
+        assert "drafting off" in loaded.drafting_off and "mamba2" in loaded.drafting_off
+        assert "\n" not in loaded.drafting_off
+        assert isinstance(make_policy(loaded, 16, None), FixedPolicy)
+        assert "cannot be cut back" in loaded.memory_line()
+    finally:
+        loaded.close()
