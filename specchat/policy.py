@@ -42,7 +42,7 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56,
 # The sizes up to this one are always timed; bigger ones only within CALIBRATION_BUDGET seconds, so the
 # first run on a slow machine measures for a few seconds, not a minute (see CostModel.measure).
 REQUIRED_SIZE = 16
-CALIBRATION_BUDGET = 3.0
+CALIBRATION_BUDGET = 2.0
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
 # from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
@@ -184,7 +184,7 @@ class CostModel:
             self.batch = (1 - self.BATCH_WEIGHT) * self.batch + self.BATCH_WEIGHT * ratio
 
     @classmethod
-    def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = 3,
+    def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = 2,
                 notify: Callable[[float], None] | None = None, budget: float | None = None) -> CostModel:
         """Time real evaluations of each batch size after what the cache holds, then roll them back.
 
@@ -226,7 +226,8 @@ class CostModel:
 
 
 def _reps(n: int, reps: int) -> int:
-    """Timings per batch size: the small sizes, which most steps send, get all of them."""
+    """Timings per batch size: the small sizes, which most steps send, get all of them (the online
+    factors in `update` correct what a short calibration gets wrong)."""
     return reps if n <= 8 else max(1, reps - 1)
 
 
