@@ -447,32 +447,34 @@ def chat_command(
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     console = ui.make_console(no_color=no_color)
     info = console if sys.stdout.isatty() else ui.make_console(stderr=True, no_color=no_color)
-    if resumed is not None:
-        transcript = Transcript(resume)
-        transcript.records = resumed.records
-        system = system or resumed.system
-    else:
-        transcript = Transcript.new()  # a file of its own, or a warning in the header
     with loading(config, run, info) as loaded:
+        if resumed is not None:
+            transcript = Transcript(resume)
+            transcript.records = resumed.records
+            system = system or resumed.system
+        else:
+            transcript = Transcript.new()  # a file of its own, or a warning in the header
         session = ChatSession(
             loaded, run, console=console, info=info, system=system, transcript=transcript,
             live=sys.stdout.isatty(), show_stats=show_stats,
         )
-        if session.conversation.system and (resumed is None or session.conversation.system != resumed.system):
-            session.save({"role": "system", "content": session.conversation.system})
-        session.header()  # at once: a first run measures this machine next, and says so
-        session.prepare_policy()
-        if resumed is not None:
-            restore(session, resumed)
-        pending = resumed.pending if resumed is not None else None
-        if interactive:
-            read = prompt_reader(no_color, warn=lambda m: session.notice(m, "spec.error"), default=pending or "")
-        else:
-            read = line_reader(sys.stdin)
         try:
+            if session.conversation.system and (resumed is None or session.conversation.system != resumed.system):
+                session.save({"role": "system", "content": session.conversation.system})
+            session.header()  # at once: a first run measures this machine next, and says so
+            session.prepare_policy()
+            if resumed is not None:
+                restore(session, resumed)
+            pending = resumed.pending if resumed is not None else None
+            if interactive:
+                read = prompt_reader(no_color, warn=lambda m: session.notice(m, "spec.error"), default=pending or "")
+            else:
+                read = line_reader(sys.stdin)
             loop(session, read)
         finally:
-            if session.transcript.saving:
+            if resumed is None and not session.transcript.records:
+                session.transcript.discard()  # nothing was said: no empty file left behind
+            elif session.transcript.saving:
                 info.print(Text(f"transcript: {session.transcript.path}", style="spec.legend"))
 
 

@@ -9,8 +9,9 @@ measurements on this machine:
     rate(n)            = expected tokens(n) / (verify_cost(n + 1) + draft_cost(n))
 
 and picks the n with the best rate, n = 0 included. verify_cost comes from timing the target on batches
-of the CALIBRATION_SIZES (cached per model file and thread count), rescaled online by what steps
-really take, and only those batch sizes are sent;
+of the CALIBRATION_SIZES, a few seconds on the first run (up to 16 always, bigger within a budget; cached
+per model file and thread count), rescaled online by what steps really take, and only those batch sizes
+are sent (--reproducible: fixed reference costs instead, nothing timed or learned from the clock);
 a_i are running estimates: for a draft model, one per draft position; for prompt lookup, one per
 length of the match the token continues (a_i = A(m + i) for an m-token match: see LookupAcceptance),
 so a 24-token match predicts a long accepted run and a 1-token match almost none. They are saved per (target file, drafter) in the cache dir when a run ends

@@ -80,6 +80,16 @@ class Transcript:
             return self.error
         return None
 
+    def discard(self) -> None:
+        """Remove the file if nothing was ever written to it (a chat that ended before its first message)."""
+        if self.path is None:
+            return
+        try:
+            if self.path.stat().st_size == 0:
+                self.path.unlink()
+        except OSError:
+            pass
+
     def save_as(self, path: Path) -> None:
         path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -133,20 +133,33 @@ def test_calibration_beyond_the_required_sizes_stops_at_its_budget():
     assert full.sizes[-1] == 64
 
 
-def test_ctrl_c_while_measuring_says_what_it_stopped_and_leaves_no_file(cli, fake_models, tmp_path, monkeypatch):
-    def interrupted(cls, backend, *args, notify=None, **kw):
+@pytest.mark.parametrize("args", [("prompt", "hi"), ("chat",)])
+def test_ctrl_c_while_measuring_says_what_it_stopped_and_leaves_no_file(cli, fake_models, tmp_path, monkeypatch,
+                                                                        args):
+    def interrupted(cls, backend, *a, notify=None, **kw):
         notify(3.0)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(CostModel, "measure", classmethod(interrupted))
     home = tmp_path / "home"
-    result = cli("prompt", "hi", home=home)
+    result = cli(*args, home=home, stdin="hello\n")
     assert result.returncode == 130
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("specchat: interrupted while measuring this machine (fake-target)")
     assert "nothing was saved" in last
-    cache = home / ".cache"
-    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()]
+    # no cost file, no empty transcript: nothing half-written
+    assert not home.exists() or not [p for p in home.rglob("*") if p.is_file()]
+
+
+def test_ctrl_c_while_loading_says_what_it_stopped(cli, monkeypatch):
+    def load(config, selection, opts, status=lambda m: None):
+        status("loading target smollm2-135m")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("specchat.runner.load", load)
+    result = cli("chat", stdin="hi\n")
+    assert result.returncode == 130
+    assert result.stderr.strip().splitlines()[-1] == "specchat: interrupted while loading target smollm2-135m"
 
 
 # -- row 3: read-only home / data directory ---------------------------------------------------------

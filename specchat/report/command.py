@@ -64,7 +64,7 @@ def report_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from ..config import load_config
-    from ..runner import loading, run_options
+    from ..runner import loading, measuring_notice, run_options
     from ..template import render
 
     settings = parse_sweep(sweep, () if run.draft_fixed is None else (run.draft_fixed,))
@@ -86,7 +86,8 @@ def report_command(
 
         def policy_for(setting: Setting) -> Policy:
             if setting.k is None:
-                return make_policy(loaded, run.draft_max, None)
+                return make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
+                                   notify=measuring_notice(err))
             return FixedPolicy(setting.k)
 
         total = sum(len(i.turns) for i in items) * len(settings)
