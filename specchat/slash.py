@@ -58,7 +58,7 @@ def _stats(session: ChatSession, arg: str) -> None:
         return
     session.info.print(ui.breakdown(session.last_stats))
     session.info.print(Text("session: ", style="bold").append(
-        ui.summary_line(session.totals, f"{len(session.turn_log)} replies")))
+        ui.summary_line(session.totals, _count(len(session.turn_log), "reply", "replies"))))
 
 
 def _draft(session: ChatSession, arg: str) -> None:
@@ -122,7 +122,11 @@ def _save(session: ChatSession, arg: str) -> None:
     except OSError as e:
         session.notice(f"cannot write {arg}: {e.strerror or e}", "spec.error")
         return
-    session.notice(f"saved {len(session.transcript.records)} messages to {arg}")
+    session.notice(f"saved {_count(len(session.transcript.records), 'message', 'messages')} to {arg}")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _exit(session: ChatSession, arg: str) -> None:
