@@ -193,10 +193,17 @@ def measuring_notice(console: Console):
     """The `notify` for make_policy: one visible line before a calibration (the first run on a machine),
     and the activity a Ctrl-C then reports."""
 
+    from rich.errors import MissingStyle
+
+    try:
+        style = console.get_style("spec.notice")  # the chat's theme; a plain console has no such style
+    except MissingStyle:
+        style = "dim"
+
     def notify(model: str, seconds: float) -> None:
         _activity.append(f"measuring this machine ({model}); nothing was saved, it measures again next time")
         console.print(f"measuring this machine once for {model} (about {max(1, round(seconds))} s; "
-                      "saved for next time)…", style="spec.notice", highlight=False)
+                      "saved for next time)…", style=style, highlight=False)
 
     return notify
 

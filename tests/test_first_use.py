@@ -363,19 +363,20 @@ def test_sigterm_mid_reply_saves_the_partial_reply_then_ends(tmp_path):
     assert saved[1]["interrupted"] is True and len(saved[1]["content"]) == 3
 
 
-def test_sigterm_ends_a_prompt_with_one_line_and_exit_143(cli, fake_models):
-    def sends_sigterm(ctx):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_termination_signal_ends_a_prompt_with_one_line_and_128_plus_its_number(cli, fake_models, sig):
+    def sends_signal(ctx):
         if len(ctx) == 80:  # some 30 tokens into the reply
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), sig)
         return repeating_logits(ctx)
 
-    fake_models.logits = sends_sigterm
+    fake_models.logits = sends_signal
     result = cli("prompt", "hi", "-n", "100", "--draft-fixed", "0")
-    assert result.returncode == 128 + signal.SIGTERM
-    assert result.stderr.strip().splitlines()[-1] == "specchat: stopped by SIGTERM"
+    assert result.returncode == 128 + sig
+    assert result.stderr.strip().splitlines()[-1] == f"specchat: stopped by {sig.name}"
     from specchat import cli as cli_module
 
-    assert signal.getsignal(signal.SIGTERM) is not cli_module._raise_terminated  # the old handler is back
+    assert signal.getsignal(sig) is not cli_module._raise_terminated  # the old handler is back
 
 
 # -- row 7: stdin and an argument give the same prompt ------------------------------------------------------
