@@ -9,7 +9,7 @@ measurements on this machine:
     rate(n)            = expected tokens(n) / (verify_cost(n + 1) + draft_cost(n))
 
 and picks the n with the best rate, n = 0 included. verify_cost comes from timing the target on batches
-of the CALIBRATION_SIZES, a few seconds on the first run (up to 16 always, bigger within a budget; cached
+of the CALIBRATION_SIZES, a few seconds on the first run (up to 8 always, bigger within a budget; cached
 per model file and thread count), rescaled online by what steps really take, and only those batch sizes
 are sent (--reproducible: fixed reference costs instead, nothing timed or learned from the clock);
 a_i are running estimates: for a draft model, one per draft position; for prompt lookup, one per
@@ -42,7 +42,7 @@ from .stats import StepStats
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 # The sizes up to this one are always timed; bigger ones only within CALIBRATION_BUDGET seconds, so the
 # first run on a slow machine measures for a few seconds, not a minute (see CostModel.measure).
-REQUIRED_SIZE = 16
+REQUIRED_SIZE = 8
 CALIBRATION_BUDGET = 2.0
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
@@ -804,8 +804,8 @@ POLICIES: dict[str, type[AdaptivePolicy]] = {
 
 def reference_cost_model(one_step: float = 0.02) -> CostModel:
     """Fixed costs for --reproducible: a batch of n tokens costs 1 + 0.35 (n - 1) one-token steps (about
-    what two CPU cores measure; see DESIGN), at the sizes a calibration always times. No clock involved."""
-    sizes = [n for n in CALIBRATION_SIZES if n <= REQUIRED_SIZE]
+    what two CPU cores measure), at the sizes up to 16. No clock involved."""
+    sizes = [n for n in CALIBRATION_SIZES if n <= 16]
     return CostModel(sizes, [one_step * (1 + 0.35 * (n - 1)) for n in sizes], measured=True)
 
 

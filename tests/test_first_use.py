@@ -123,11 +123,11 @@ def test_first_chat_shows_its_header_and_a_measuring_line_before_measuring(cli, 
 
 
 def test_calibration_beyond_the_required_sizes_stops_at_its_budget():
-    """The sizes up to 16 are always timed; bigger ones only within the budget (here none: budget 0)."""
+    """The sizes up to 8 are always timed; bigger ones only within the budget (here none: budget 0)."""
     backend = FakeBackend(lambda ctx: np.zeros(8, dtype=np.float32), 8)
     estimates = []
     model = CostModel.measure(backend, notify=estimates.append, budget=0.0)
-    assert model.sizes == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
+    assert model.sizes == [1, 2, 3, 4, 5, 6, 7, 8]
     assert len(estimates) == 1 and estimates[0] >= 0
     full = CostModel.measure(backend, budget=60.0)
     assert full.sizes[-1] == 64
