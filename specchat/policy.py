@@ -218,8 +218,11 @@ class CostModel:
         seconds = []
         measured = []
         for n in sizes:
-            if n > REQUIRED_SIZE and time.perf_counter() - started > budget:
-                break
+            if n > REQUIRED_SIZE:
+                # the next size's timings, predicted from the last one's: stop before the budget, not after
+                predicted = seconds[-1] * n / measured[-1] * _reps(n, reps)
+                if time.perf_counter() - started + predicted > budget:
+                    break
             seconds.append(float(np.median([timed(n) for _ in range(_reps(n, reps))])))
             measured.append(n)
         # not made monotone: a bigger batch can really cost less (whole tiles; see CALIBRATION_SIZES)
