@@ -413,6 +413,8 @@ def loop(session: ChatSession, read: Callable[[], str]) -> None:
             line = read()
         except EOFError:
             break
+        except Terminated:  # SIGTERM / SIGHUP while waiting for input: end the chat
+            raise
         except KeyboardInterrupt:  # Ctrl-C outside our key binding (e.g. while the prompt starts)
             break
         session.handle(line)

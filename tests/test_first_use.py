@@ -348,6 +348,16 @@ def test_a_decode_failure_mid_turn_drops_the_turn_and_the_chat_goes_on(tmp_path)
     assert resumed.exchanges == 1 and resumed.skipped == [] and resumed.pending is None
 
 
+def test_sigterm_at_the_prompt_ends_the_chat(tmp_path):
+    session, _ = _session(tmp_path)
+
+    def read():
+        raise Terminated(signal.SIGTERM)
+
+    with pytest.raises(Terminated):
+        chat.loop(session, read)
+
+
 def test_sigterm_mid_reply_saves_the_partial_reply_then_ends(tmp_path):
     class TerminatedAt3(ui.PlainView):
         def feed(self, event):
