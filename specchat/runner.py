@@ -151,10 +151,12 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
     load_opts = LoadOptions(
         n_ctx=args.ctx_size, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngld, n_threads=args.threads,
         draft_p_min=args.draft_p_min, draft_min=args.draft_min, lookup_min=args.lookup_min,
-        # earlier replies change what lookup drafts from run to run: not in a reproducible run
-        lookup_max=args.lookup_max, lookup_history=args.lookup_history and not args.reproducible, cross_vocab=cross_vocab,
+        lookup_max=args.lookup_max, lookup_history=args.lookup_history, cross_vocab=cross_vocab,
         rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn,
     )
+
+    if args.reproducible:  # earlier replies change what lookup drafts from run to run
+        load_opts.lookup_history = False
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
                       stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible)
 
@@ -173,17 +175,15 @@ def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:
 @contextmanager
 def loading(config: Config, run: RunOptions, console: Console):
     """Load the pair behind a spinner (on a terminal) and always free it."""
-    with activity("loading the models"):
-        if console.is_terminal:
-            with console.status("loading models…") as spinner:
-                def status(message: str) -> None:
-                    spinner.update(message + "…")
-                    _activity[-1] = message
-
-                loaded = load(config, run.selection, run.load, status=status)
-        else:
-            loaded = load(config, run.selection, run.load, status=lambda m: _activity.__setitem__(-1, m))
+    depth = len(_activity)
+    _activity.append("loading the models")  # what a Ctrl-C stops until they are loaded
+    if console.is_terminal:
+        with console.status("loading models…") as spinner:
+            loaded = load(config, run.selection, run.load, status=lambda m: spinner.update(m + "…"))
+    else:
+        loaded = load(config, run.selection, run.load)
     try:
+        del _activity[depth:]
         yield loaded
     finally:
         loaded.close()

@@ -159,7 +159,7 @@ def test_ctrl_c_while_loading_says_what_it_stopped(cli, monkeypatch):
     monkeypatch.setattr("specchat.runner.load", load)
     result = cli("chat", stdin="hi\n")
     assert result.returncode == 130
-    assert result.stderr.strip().splitlines()[-1] == "specchat: interrupted while loading target smollm2-135m"
+    assert result.stderr.strip().splitlines()[-1] == "specchat: interrupted while loading the models"
 
 
 # -- row 3: read-only home / data directory ---------------------------------------------------------
