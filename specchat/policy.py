@@ -212,7 +212,7 @@ class CostModel:
         if notify is not None:
             one = timed(1)
             required = [n for n in sizes if n <= REQUIRED_SIZE]
-            # a batch of n costs about 1 + 0.35 (n - 1) single steps on a CPU (see DESIGN's measurements)
+            # a batch of n costs about 1 + 0.35 (n - 1) single steps on two CPU cores (SmolLM2, gemma-3-270m)
             estimate = sum(one * (1 + 0.35 * (n - 1)) * _reps(n, reps) for n in required)
             notify(max(estimate, budget if len(required) < len(sizes) else 0.0))
         seconds = []
