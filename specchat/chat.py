@@ -25,11 +25,13 @@ from .conversation import Conversation
 from .engine import Finished, PromptTooLong, generate
 from .loader import Loaded
 from .paths import data_dir
-from .policy import make_policy
-from .runner import RunOptions, UserError, check_text, loading, run_options  # noqa: F401  (UserError: --resume's)
+from .backend import BackendError
+from .runner import (  # noqa: F401  (UserError: --resume's)
+    RunOptions, Terminated, UserError, check_text, loading, measuring, measuring_notice, run_options,
+)
 from .slash import KEYS
 from .stats import RunStats
-from .transcript import Transcript, load_transcript, new_transcript_path
+from .transcript import Resumed, Transcript, load_transcript, read_transcript
 
 
 class ChatSession:
@@ -67,12 +69,13 @@ class ChatSession:
         self.spec_on = loaded.drafter is not None
         self.rng = np.random.default_rng(run.params.seed)
         self.policy = None
+        self.policy_ready = False  # built by prepare_policy (after the header: it may measure first)
         self.last: Finished | None = None
         self.last_stats: RunStats | None = None
         self.totals = RunStats()
         self.turn_log: list[dict] = []  # per turn: prompt tokens, tokens evaluated, generated
         self.done = False
-        self.rebuild_policy()
+        self.unsaved_warned = False
 
     # -- pieces ------------------------------------------------------------------------------------
 
@@ -85,11 +88,25 @@ class ChatSession:
         return self.loaded.drafter_label if self.drafter is not None else "target only"
 
     def rebuild_policy(self) -> None:
+        self.policy_ready = True
         if self.loaded.drafter is None or self.draft_max == 0:
             self.policy = None
             return
-        fixed = self.run.draft_fixed
-        self.policy = make_policy(self.loaded, self.draft_max, None if fixed is None else min(fixed, self.draft_max))
+        # the first run on a machine measures it: a visible line says so (and what a Ctrl-C then stops)
+        with measuring(self.info):
+            self.policy = self.run.policy(self.loaded, notify=measuring_notice(self.info), draft_max=self.draft_max)
+
+    def prepare_policy(self) -> None:
+        if not self.policy_ready:
+            self.rebuild_policy()
+
+    def save(self, record: dict) -> None:
+        """Append to the transcript; the first failure is one warning, and the chat goes on."""
+        error = self.transcript.write(record)
+        if error is not None and not self.unsaved_warned:
+            self.unsaved_warned = True
+            self.notice(f"transcript not saved: {error} (the chat goes on; /save FILE writes it elsewhere)",
+                        "spec.error")
 
     def notice(self, message: str, style: str = "spec.notice") -> None:
         self.info.print(Text(message, style=style))
@@ -112,7 +129,12 @@ class ChatSession:
             self.info.print(ui.legend())
         if self.live:
             self.info.print(Text(KEYS + " · /help", style="spec.legend"))
-        self.info.print(Text(f"transcript: {self.transcript.path}", style="spec.legend"))
+        if self.transcript.path is not None:
+            self.info.print(Text(f"transcript: {self.transcript.path}", style="spec.legend"))
+        else:
+            self.unsaved_warned = True
+            self.notice(f"transcript not saved: {self.transcript.error} (the chat goes on; /save FILE writes it "
+                        "elsewhere)", "spec.error")
 
     # -- one line of input ---------------------------------------------------------------------------
 
@@ -191,7 +213,8 @@ class ChatSession:
         if len(prepared.ids) >= target.n_ctx:
             self.notice(f"this message does not fit: {len(prepared.ids)} tokens, context {target.n_ctx} (-c)", "spec.error")
             return
-        self.transcript.write({"role": "user", "content": user})
+        self.prepare_policy()
+        self.save({"role": "user", "content": user})
         evaluated_before = target.evaluated
         events = generate(
             target, self.drafter, prepared.ids, self.params, max_tokens=self.max_tokens,
@@ -199,16 +222,34 @@ class ChatSession:
         )
         view = self._view()
         finished: Finished | None = None
+        stopped: KeyboardInterrupt | None = None
         try:
             with no_echo():
                 finished = ui.show(events, view)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated): the reply so far is kept
             # the generator's finally cuts the target's cache back to prompt + the tokens we saw
+            stopped = e
             events.close()
         except PromptTooLong as e:
             events.close()
             self.notice(str(e), "spec.error")
+            self.save({"role": "dropped", "content": str(e)})
             return
+        except BackendError as e:
+            # a decode failure mid-turn: the turn is dropped (its message and the partial reply are not
+            # part of the conversation; the transcript says so), and the chat goes on
+            events.close()
+            self.notice(f"the reply failed: {e} · the turn was dropped; the chat goes on", "spec.error")
+            self.save({"role": "dropped", "content": str(e)})
+            return
+        try:
+            self._keep(prepared, finished, view, evaluated_before)
+        finally:
+            if isinstance(stopped, Terminated):
+                raise stopped  # the partial reply is saved: now end the chat
+
+    def _keep(self, prepared, finished: Finished | None, view, evaluated_before: int) -> None:
+        conv, target = self.conversation, self.loaded.target
         if finished is not None:
             reply, ids, reason, stats = finished.text, finished.token_ids, finished.finish_reason, finished.stats
         else:
@@ -218,9 +259,10 @@ class ChatSession:
                 # stopped before the first token: the message is not kept (the transcript's unanswered
                 # user line is skipped by --resume); the cache's extra prompt tokens are cut at next sync
                 self.notice("stopped before the reply began; the message was not kept")
+                self.save({"role": "dropped", "content": "stopped before the reply began"})
                 return
         message = conv.commit(prepared, reply, ids)
-        self.transcript.write({
+        self.save({
             **message,
             "finish_reason": reason,
             "interrupted": reason == "interrupted",
@@ -239,7 +281,8 @@ class ChatSession:
             "generated": len(ids),
             "finish_reason": reason,
         })
-        self.info.print(ui.summary_line(stats, reason, self.drafter_label), soft_wrap=True)
+        note = getattr(self.policy, "last_note", None) if self.drafter is not None else None
+        self.info.print(ui.summary_line(stats, reason, self.drafter_label, note), soft_wrap=True)
         if self.show_stats:
             self.info.print(ui.breakdown(stats))
 
@@ -286,12 +329,25 @@ def no_echo(stream=None):
         termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
-def prompt_reader(no_color: bool) -> Callable[[], str]:
+def _history(path: Path, warn: Callable[[str], None]):
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab"):
+            pass
+    except OSError as e:
+        warn(f"input history not saved: {e.strerror or e}: {path}")
+        return InMemoryHistory()
+    return FileHistory(str(path))
+
+
+def prompt_reader(no_color: bool, warn: Callable[[str], None] = lambda message: None,
+                  default: str = "") -> Callable[[], str]:
     """A prompt-toolkit session: history file, multi-line input, slash-command completion.
     Raises EOFError to leave (Ctrl-D, or Ctrl-C on an empty line)."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.completion import Completer, Completion
-    from prompt_toolkit.history import FileHistory
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.output import ColorDepth
     from prompt_toolkit.styles import Style
@@ -322,10 +378,10 @@ def prompt_reader(no_color: bool) -> Callable[[], str]:
         else:
             event.app.exit(exception=EOFError())
 
-    history = data_dir() / "history"
-    history.parent.mkdir(parents=True, exist_ok=True)
+    # input history across sessions; where the data directory cannot be written, this session's only
+    history = _history(data_dir() / "history", warn)
     session = PromptSession(
-        history=FileHistory(str(history)),
+        history=history,
         completer=SlashCompleter(),
         complete_while_typing=True,
         multiline=True,
@@ -334,7 +390,13 @@ def prompt_reader(no_color: bool) -> Callable[[], str]:
         style=Style.from_dict({"prompt": "bold ansimagenta"}),
         color_depth=ColorDepth.DEPTH_1_BIT if no_color else None,
     )
-    return lambda: session.prompt([("class:prompt", "› ")])
+    first = [default]  # an unanswered message from --resume, ready to send again
+
+    def read() -> str:
+        text, first[0] = first[0], ""
+        return session.prompt([("class:prompt", "› ")], default=text)
+
+    return read
 
 
 def line_reader(stream) -> Callable[[], str]:
@@ -355,6 +417,8 @@ def loop(session: ChatSession, read: Callable[[], str]) -> None:
             line = read()
         except EOFError:
             break
+        except Terminated:  # SIGTERM / SIGHUP while waiting for input: end the chat
+            raise
         except KeyboardInterrupt:  # Ctrl-C outside our key binding (e.g. while the prompt starts)
             break
         session.handle(line)
@@ -385,39 +449,54 @@ def chat_command(
     run = run_options(config, run)
     if system is not None:
         check_text(system, "--system")
-    resumed = load_transcript(resume) if resume is not None else None
+    resumed = read_transcript(resume) if resume is not None else None
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     console = ui.make_console(no_color=no_color)
     info = console if sys.stdout.isatty() else ui.make_console(stderr=True, no_color=no_color)
-    if resumed is not None:
-        transcript = Transcript(resume)
-        transcript.records = resumed[2]
-        system = system or resumed[0]
-    else:
-        transcript = Transcript(new_transcript_path())
     with loading(config, run, info) as loaded:
+        if resumed is not None:
+            transcript = Transcript(resume)
+            transcript.records = resumed.records
+            system = system or resumed.system
+        else:
+            transcript = Transcript.new()  # a file of its own, or a warning in the header
         session = ChatSession(
             loaded, run, console=console, info=info, system=system, transcript=transcript,
             live=sys.stdout.isatty(), show_stats=show_stats,
         )
-        if session.conversation.system and (resumed is None or session.conversation.system != resumed[0]):
-            transcript.write({"role": "system", "content": session.conversation.system})
-        session.header()
-        if resumed is not None:
-            restore(session, resumed[1])
-        read = prompt_reader(no_color) if interactive else line_reader(sys.stdin)
         try:
+            if session.conversation.system and (resumed is None or session.conversation.system != resumed.system):
+                session.save({"role": "system", "content": session.conversation.system})
+            session.header()  # at once: a first run measures this machine next, and says so
+            session.prepare_policy()
+            if resumed is not None:
+                restore(session, resumed)
+            pending = resumed.pending if resumed is not None else None
+            if interactive:
+                read = prompt_reader(no_color, warn=lambda m: session.notice(m, "spec.error"), default=pending or "")
+            else:
+                read = line_reader(sys.stdin)
             loop(session, read)
         finally:
-            info.print(Text(f"transcript: {session.transcript.path}", style="spec.legend"))
+            if resumed is None and not session.transcript.records:
+                session.transcript.discard()  # nothing was said: no empty file left behind
+            elif session.transcript.saving:
+                info.print(Text(f"transcript: {session.transcript.path}", style="spec.legend"))
 
 
-def restore(session: ChatSession, turns: list[dict]) -> None:
-    """Show the resumed conversation and evaluate it once."""
+def restore(session: ChatSession, resumed: Resumed | list[dict]) -> None:
+    """Show the resumed conversation and evaluate it once; say what could not be paired, and which
+    message had no reply."""
+    if not isinstance(resumed, Resumed):
+        resumed = Resumed(None, list(resumed), [])
+    turns = resumed.turns
     for m in turns:
         who = "›" if m["role"] == "user" else " "
         style = "spec.user" if m["role"] == "user" else "spec.legend"
         session.info.print(Text(f"{who} {m['content']}", style=style))
+    if resumed.skipped:
+        session.notice(f"left out {len(resumed.skipped)} message{'s' if len(resumed.skipped) != 1 else ''} that "
+                       f"could not be paired: {', '.join(resumed.skipped)}", "spec.error")
     session.conversation.restore(turns)
     n = len(session.conversation.ids)
     if n >= session.loaded.target.n_ctx:
@@ -430,4 +509,14 @@ def restore(session: ChatSession, turns: list[dict]) -> None:
             session.prefill()
     else:
         session.prefill()
-    session.notice(f"resumed {len(turns) // 2} exchanges ({n} tokens, {time.perf_counter() - started:.1f} s)")
+    k = resumed.exchanges
+    session.notice(f"resumed {k} exchange{'s' if k != 1 else ''} ({n} tokens, {time.perf_counter() - started:.1f} s)")
+    if resumed.pending is not None:
+        session.notice(f"your last message had no reply: {shorten(resumed.pending)} · it is in the prompt "
+                       "(Enter sends it)" if session.live else
+                       f"your last message had no reply: {shorten(resumed.pending)} · send it again to answer it")
+
+
+def shorten(text: str, width: int = 60) -> str:
+    one_line = " ".join(text.split())
+    return repr(one_line if len(one_line) <= width else one_line[: width - 1] + "…")

@@ -17,8 +17,9 @@ from .config import load_config
 from .crossvocab import rule_info, rule_label
 from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
-from .policy import make_policy
-from .runner import USER_ERRORS, RunOptions, check_text, loading, read_prompt, run_options
+from .runner import (
+    USER_ERRORS, RunOptions, Terminated, check_text, current_activity, loading, measuring, read_prompt, run_options,
+)
 
 app = typer.Typer(
     name="specchat",
@@ -28,6 +29,44 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"specchat {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", "-V", help="Print the version and exit.", callback=_version, is_eager=True)] = False,
+) -> None:
+    """Local speculative chat: a small draft proposes, a large target verifies, you see which tokens were accepted."""
+
+
+def _wrap_flag_names() -> None:
+    """Typer joins a flag's names with ',' and Rich cuts what does not fit its column with '…'
+    (`--draft,--model-draft,--spe…`): one name per line, so every alias shows at any width."""
+    from rich.text import Text
+    from typer import rich_utils
+
+    for name in ("highlighter", "negative_highlighter"):
+        base = getattr(rich_utils, name)
+        if getattr(base, "specchat_wraps", False):
+            continue
+
+        def wrapped(text, base=base):
+            if isinstance(text, str):
+                return base(Text(text.replace(",", "\n"), overflow="fold"))
+            return base(text)
+
+        wrapped.specchat_wraps = True
+        setattr(rich_utils, name, wrapped)
+
+
+_wrap_flag_names()
 
 
 @app.command()
@@ -63,14 +102,17 @@ def prompt(
             rendered = render(loaded.target, messages)
             prompt_ids, stops = rendered.token_ids, rendered.stop + run.stop
         check_fits(prompt_ids, loaded.target.n_ctx)  # before the view starts
+        with measuring(err) as notify:
+            policy = run.policy(loaded, notify=notify)
         events = generate(
             loaded.target, loaded.drafter, prompt_ids, run.for_target(loaded.target), max_tokens=run.max_tokens, stop=stops,
-            policy=make_policy(loaded, run.draft_max, run.draft_fixed),
+            policy=policy,
         )
+        note = lambda: getattr(policy, "last_note", None)  # noqa: E731  why nothing was drafted, if so
         if as_json:
-            finished = print_json(events, loaded, run)
+            finished = print_json(events, loaded, run, note)
             if show_stats and finished is not None:
-                err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
+                err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
         elif sys.stdout.isatty():
             # a terminal: coloured tokens, live footer, one-line summary (and the breakdown with --stats)
             out = ui.make_console(no_color=no_color)
@@ -78,18 +120,18 @@ def prompt(
                 out.print(ui.legend())
             finished = ui.show(events, ui.LiveView(out, label=rule_label(loaded.drafter, run.params)))
             if finished is not None:
-                out.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
+                out.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
                 if show_stats:
                     out.print(ui.breakdown(finished.stats))
         else:
             # a pipe: the text only; numbers on stderr when asked for
             finished = ui.show(events, ui.PlainView(sys.stdout))
             if show_stats and finished is not None:
-                err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label))
+                err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
                 err.print(ui.breakdown(finished.stats))
 
 
-def print_json(events, loaded: Loaded, run: RunOptions) -> Finished:
+def print_json(events, loaded: Loaded, run: RunOptions, note=lambda: None) -> Finished:
     tokens = []
     finished = None
     for event in events:
@@ -105,9 +147,12 @@ def print_json(events, loaded: Loaded, run: RunOptions) -> Finished:
         "finish_reason": finished.finish_reason,
         "target": loaded.target_spec.name,
         "drafter": loaded.drafter_label,
-        "params": {**dataclasses.asdict(run.params), "draft_max": run.draft_max, "draft_fixed": run.draft_fixed},
+        "params": {**dataclasses.asdict(run.params), "draft_max": run.draft_max, "draft_fixed": run.draft_fixed,
+                   "reproducible": run.reproducible},
         "stats": finished.stats.as_dict(),
     }
+    if note():  # the policy drafted nothing: why
+        doc["draft_note"] = note()
     cross = rule_info(loaded.drafter, run.params)
     if cross is not None:  # a draft with another tokenizer: which rule ran
         doc["cross_vocab"] = cross
@@ -146,9 +191,62 @@ def report(message: str) -> None:
     Console(stderr=True, soft_wrap=True, highlight=False).print(message, markup=False)
 
 
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+def _on_termination_signals():
+    """SIGTERM and SIGHUP end the command as Ctrl-C does (a reply is cut and saved, the screen left
+    tidy). Returns the previous handlers, to put back."""
+    import signal
+
+    saved = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is None:
+            continue
+        try:
+            saved[sig] = signal.signal(sig, _raise_terminated)
+        except (ValueError, OSError):  # not the main thread
+            pass
+    return saved
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every user error becomes one line on stderr and exit code 2, never a traceback."""
+    import signal
+
     command = typer.main.get_command(app)
+    saved = _on_termination_signals()
+    try:
+        code = _run(command, argv)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Interrupted(Exception):
+    """Carries a KeyboardInterrupt (Ctrl-C, or Terminated) past Typer, which would turn it into a silent
+    exit code 130."""
+
+    def __init__(self, interrupt: KeyboardInterrupt):
+        super().__init__()
+        self.interrupt = interrupt
+
+
+def _run(command, argv) -> int:
+    from .runner import _activity
+
+    _activity.clear()
+    invoke = command.invoke
+
+    def invoke_reporting_interrupts(ctx):
+        try:
+            return invoke(ctx)
+        except KeyboardInterrupt as e:
+            raise _Interrupted(e) from None
+
+    command.invoke = invoke_reporting_interrupts
     try:
         code = command.main(args=argv, prog_name="specchat", standalone_mode=False)
     except typer.Exit as e:
@@ -159,17 +257,21 @@ def main(argv: list[str] | None = None) -> None:
     except typer.TyperException as e:
         # the parser's own message ("Invalid value for '--temp': ...") without its usage banner
         message = e.format_message() if hasattr(e, "format_message") else str(e)
-        report(f"specchat: error: {' '.join(message.split())}")
+        if message.strip():  # (no command at all: the help page was the answer)
+            report(f"specchat: error: {' '.join(message.split())}")
         code = 2
     except USER_ERRORS as e:
         report(f"specchat: error: {e}")
         code = 2
-    except KeyboardInterrupt:
-        report("\nspecchat: interrupted")
-        code = 130
+    except (KeyboardInterrupt, _Interrupted) as caught:
+        e = caught.interrupt if isinstance(caught, _Interrupted) else caught
+        what = current_activity()
+        how = f"stopped by {e.name}" if isinstance(e, Terminated) else "interrupted"
+        report(f"\nspecchat: {how}" + (f" while {what}" if what else ""))
+        code = 128 + e.signum if isinstance(e, Terminated) else 130
     except BrokenPipeError:
         code = 0
-    sys.exit(code if isinstance(code, int) else 0)
+    return code
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ class Detokenizer:
         return self._decoder.decode(self._token_bytes(token))
 
     def flush(self) -> str:
-        """Whatever is still held at the end (an unfinished character becomes U+FFFD)."""
-        return self._decoder.decode(b"", final=True)
+        """The end of the text: an unfinished character still held (a reply cut by -n between the bytes
+        of an emoji) is dropped, not turned into U+FFFD; its token ids are still reported."""
+        self._decoder.reset()
+        return ""
 
 
 class StopMatcher:

@@ -73,7 +73,12 @@ PresencePenalty = Annotated[
     float, typer.Option("--presence-penalty", help="Presence penalty (0 = off).", rich_help_panel=SAMPLING)
 ]
 Seed = Annotated[
-    int | None, typer.Option("-s", "--seed", min=0, help="Seed; the same seed reproduces a run exactly.", rich_help_panel=SAMPLING)
+    int | None,
+    typer.Option("-s", "--seed", min=0, help="Seed of the sampling. The same seed gives the same text only with --reproducible: otherwise draft lengths follow this machine's timings and earlier runs, which can change the text where two tokens are nearly tied.", rich_help_panel=SAMPLING),
+]
+Reproducible = Annotated[
+    bool,
+    typer.Option("--reproducible", help="Same command and seed, same text token for token: draft lengths from the tokens alone (fixed costs, no timing, nothing learned from earlier runs or replies); seed 0 unless -s.", rich_help_panel=SPEC),
 ]
 Stop = Annotated[
     list[str] | None, typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel=SAMPLING)
@@ -162,6 +167,7 @@ class RunArgs:
     draft_min: DraftMin = _LOAD.draft_min
     draft_p_min: DraftPMin = _LOAD.draft_p_min
     draft_fixed: DraftFixed = None
+    reproducible: Reproducible = False
     lookup_min: LookupMin = _LOAD.lookup_min
     lookup_max: LookupMax = _LOAD.lookup_max
     lookup_history: LookupHistory = _LOAD.lookup_history

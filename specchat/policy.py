@@ -9,8 +9,9 @@ measurements on this machine:
     rate(n)            = expected tokens(n) / (verify_cost(n + 1) + draft_cost(n))
 
 and picks the n with the best rate, n = 0 included. verify_cost comes from timing the target on batches
-of the CALIBRATION_SIZES (cached per model file and thread count), rescaled online by what steps
-really take, and only those batch sizes are sent;
+of the CALIBRATION_SIZES, a few seconds on the first run (up to 8 always, bigger within a budget; cached
+per model file and thread count), rescaled online by what steps really take, and only those batch sizes
+are sent (--reproducible: fixed reference costs instead, nothing timed or learned from the clock);
 a_i are running estimates: for a draft model, one per draft position; for prompt lookup, one per
 length of the match the token continues (a_i = A(m + i) for an m-token match: see LookupAcceptance),
 so a 24-token match predicts a long accepted run and a 1-token match almost none. They are saved per (target file, drafter) in the cache dir when a run ends
@@ -25,7 +26,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -39,6 +40,10 @@ from .stats import StepStats
 # on a CPU llama.cpp's matrix kernels work on tiles of rows, so a batch of 16 can cost less than one of
 # 15 or 17 (gemma-3-270m, 2 threads: 8 tokens 38 ms, 7 tokens 57 ms; 16 tokens 56 ms, 17 tokens 69 ms).
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+# The sizes up to this one are always timed; bigger ones only within CALIBRATION_BUDGET seconds, so the
+# first run on a slow machine measures for a few seconds, not a minute (see CostModel.measure).
+REQUIRED_SIZE = 8
+CALIBRATION_BUDGET = 2.0
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
 # from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
@@ -180,27 +185,56 @@ class CostModel:
             self.batch = (1 - self.BATCH_WEIGHT) * self.batch + self.BATCH_WEIGHT * ratio
 
     @classmethod
-    def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = 3) -> CostModel:
-        """Time real evaluations of each batch size after what the cache holds, then roll them back."""
+    def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = 2,
+                notify: Callable[[float], None] | None = None, budget: float | None = None) -> CostModel:
+        """Time real evaluations of each batch size after what the cache holds, then roll them back.
+
+        The sizes up to REQUIRED_SIZE are always timed; bigger ones only while the calibration has taken
+        less than `budget` seconds (CALIBRATION_BUDGET): on a GPU every size takes milliseconds, on two CPU
+        cores a batch of 64 can take half a second and long batches rarely pay there anyway. `notify`
+        gets the estimated seconds of the whole calibration once the first timings are in, before the
+        bulk of it (the chat shows "measuring this machine once (about N s)")."""
+        budget = CALIBRATION_BUDGET if budget is None else budget
         keep = len(backend.tokens)
         if keep:
             backend.checkpoint()  # a recurrent model comes back to `keep` from its copy
         room = backend.n_ctx - keep
         sizes = [n for n in sizes if n <= room] or [1]
         filler = [backend.tokens[-1] if backend.tokens else 1]
+
+        def timed(n: int) -> float:
+            t0 = time.perf_counter()
+            backend.eval(filler * n, range(n))
+            elapsed = time.perf_counter() - t0
+            backend.truncate(keep)
+            return elapsed
+
+        started = time.perf_counter()
+        timed(1)  # warm-up: the first decode allocates compute buffers
+        if notify is not None:
+            one = timed(1)
+            required = [n for n in sizes if n <= REQUIRED_SIZE]
+            # a batch of n costs about 1 + 0.35 (n - 1) single steps on two CPU cores (SmolLM2, gemma-3-270m)
+            estimate = sum(one * (1 + 0.35 * (n - 1)) * _reps(n, reps) for n in required)
+            notify(max(estimate, budget if len(required) < len(sizes) else 0.0))
         seconds = []
-        backend.eval(filler, [0])  # warm-up: first decode allocates compute buffers
-        backend.truncate(keep)
+        measured = []
         for n in sizes:
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                backend.eval(filler * n, range(n))
-                times.append(time.perf_counter() - t0)
-                backend.truncate(keep)
-            seconds.append(float(np.median(times)))
+            if n > REQUIRED_SIZE:
+                # the next size's timings, predicted from the last one's: stop before the budget, not after
+                predicted = seconds[-1] * n / measured[-1] * _reps(n, reps)
+                if time.perf_counter() - started + predicted > budget:
+                    break
+            seconds.append(float(np.median([timed(n) for _ in range(_reps(n, reps))])))
+            measured.append(n)
         # not made monotone: a bigger batch can really cost less (whole tiles; see CALIBRATION_SIZES)
-        return cls(list(sizes), seconds, measured=True)
+        return cls(measured, seconds, measured=True)
+
+
+def _reps(n: int, reps: int) -> int:
+    """Timings per batch size: the small sizes, which most steps send, get all of them (the online
+    factors in `update` correct what a short calibration gets wrong)."""
+    return reps if n <= 8 else max(1, reps - 1)
 
 
 def cost_cache_key(backend: Backend) -> str:
@@ -217,8 +251,11 @@ def cost_cache_key(backend: Backend) -> str:
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
-def cached_cost_model(backend, cache_file: Path | None) -> CostModel:
-    """The backend's cost model from the cache file, measuring (about a second) on a miss."""
+def cached_cost_model(backend, cache_file: Path | None,
+                      notify: Callable[[str, float], None] | None = None) -> CostModel:
+    """The backend's cost model from the cache file, measuring (a few seconds, once per model file and
+    thread count) on a miss. `notify(model name, estimated seconds)` is called before a measurement.
+    The cache file is replaced atomically: an interrupted run never leaves half a file."""
     key = cost_cache_key(backend)
     table = {}
     if cache_file is not None and cache_file.exists():
@@ -226,22 +263,38 @@ def cached_cost_model(backend, cache_file: Path | None) -> CostModel:
             table = json.loads(cache_file.read_text())
         except (OSError, ValueError):
             table = {}
+        if not isinstance(table, dict):
+            table = {}
     entry = table.get(key)
-    # an entry timed at other sizes (an older specchat), or short of what this context allows, is
-    # measured again: the policy sends only the sizes it has timed
+    # an entry timed at other sizes (an older specchat), or short of the sizes every calibration times,
+    # is measured again: the policy sends only the sizes it has timed
     sizes = entry.get("sizes") if isinstance(entry, dict) else None
-    if (sizes and sizes == list(CALIBRATION_SIZES[: len(sizes)])
-            and sizes[-1] >= min(CALIBRATION_SIZES[-1], backend.n_ctx // 2)):
+    need = min(REQUIRED_SIZE, max(1, backend.n_ctx // 2))
+    if (sizes and sizes == list(CALIBRATION_SIZES[: len(sizes)]) and sizes[-1] >= need
+            and len(entry.get("seconds", ())) == len(sizes)):
         return CostModel(entry["sizes"], entry["seconds"], measured=True)
-    model = CostModel.measure(backend)
+    model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s)) if notify is not None else None)
     if cache_file is not None:
         table[key] = {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time()}
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            cache_file.write_text(json.dumps(table, indent=1))
-        except OSError:
-            pass  # a read-only cache only costs a re-measure next time
+        _write_atomic(cache_file, json.dumps(table, indent=1))
     return model
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and rename it into place; a read-only cache only costs a re-measure
+    (or the priors) next time, so failures are silent."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)  # another process reading never sees half a file
+    except BaseException as e:  # OSError, or Ctrl-C in the middle: no temporary file left behind
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if not isinstance(e, OSError):
+            raise
 
 
 # -- acceptance --------------------------------------------------------------------------------------
@@ -464,16 +517,7 @@ class AcceptanceStore:
         if len(entries) > 64:  # forget the pairs not used for the longest time
             for old in sorted(entries, key=lambda k: entries[k].get("updated", 0) if isinstance(entries[k], dict) else 0)[:-64]:
                 del entries[old]
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"version": self.VERSION, "entries": entries}), encoding="utf-8")
-            os.replace(tmp, self.path)  # another process reading never sees half a file
-        except OSError:  # a read-only cache only means starting from the priors next time
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+        _write_atomic(self.path, json.dumps({"version": self.VERSION, "entries": entries}))
 
 
 class AdaptivePolicy:
@@ -488,10 +532,16 @@ class AdaptivePolicy:
     kind = ""
 
     def __init__(self, verify_cost: CostModel, *, draft_max: int, draft_cost: CostModel | None = None,
-                 store: AcceptanceStore | None = None):
+                 store: AcceptanceStore | None = None, learn_costs: bool = True):
         self.verify_cost = verify_cost
         self.draft_cost = draft_cost
         self.draft_max = draft_max
+        # False (--reproducible): the costs stay as given, nothing is learned from the clock, so the
+        # draft lengths depend only on the tokens
+        self.learn_costs = learn_costs
+        # this generation's steps: all, those that drafted, those where lookup had a match
+        self._steps = self._sent = self._matched = 0
+        self.last_note: str | None = None  # why the last generation drafted nothing (see decline_note)
         # Seconds per step spent outside drafting and verifying (bookkeeping, the consumer drawing
         # tokens). Paid once per step whatever k is, so it favours longer drafts.
         self.overhead = 0.0
@@ -526,8 +576,30 @@ class AdaptivePolicy:
     # --- memory across runs
 
     def finish(self) -> None:
+        self.last_note = self.decline_note()
+        self._steps = self._sent = self._matched = 0
         if self.store is not None:
             self.store.save(self.tables())
+
+    def _count(self, step: StepStats, proposed: Sequence[int]) -> None:
+        self._steps += 1
+        self._sent += step.drafted > 0
+        self._matched += bool(proposed)
+
+    def _steps_cost(self, n: int) -> float:
+        """What a batch of n tokens costs here, in one-token steps."""
+        one = self.verify_cost(1)
+        return self.verify_cost(n) / one if one > 0 else float("nan")
+
+    def decline_note(self) -> str | None:
+        """Why this generation sent no draft, in a few words, from the costs measured here (None when it
+        drafted, or ran no step)."""
+        if self._steps == 0 or self._sent > 0:
+            return None
+        return self._why_not()
+
+    def _why_not(self) -> str:
+        return f"draft off: a 4-token verify costs {self._steps_cost(4):.1f} steps here"
 
     # --- learning the costs
 
@@ -541,6 +613,8 @@ class AdaptivePolicy:
         self._last_observed = now
 
     def _observe_costs(self, step: StepStats) -> None:
+        if not self.learn_costs:
+            return
         self._observe_overhead(step)
         if step.drafted:
             self.rollback = 0.8 * self.rollback + 0.2 * step.rollback_seconds
@@ -586,12 +660,22 @@ class DraftModelPolicy(AdaptivePolicy):
     def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
         return len(tokens)
 
+    def _why_not(self) -> str:
+        if not self.model_possible:
+            per_token = self.draft_cost(1) / self.verify_cost(1) if self.draft_cost else 0.0
+            return (f"draft off: a draft token costs {per_token:.2f} steps and a 2-token verify "
+                    f"{self._steps_cost(2):.1f} steps here, so no draft can pay")
+        a = float(self.model_acceptance.rates(1)[0])
+        return (f"draft off: acceptance estimate {a:.0%} is too low for a 4-token verify that costs "
+                f"{self._steps_cost(4):.1f} steps here")
+
     def _learn_model(self, step: StepStats) -> None:
-        if self.draft_cost is not None and step.drafted > 0:
+        if self.learn_costs and self.draft_cost is not None and step.drafted > 0:
             self.draft_cost.update(1, step.draft_seconds / step.drafted)
         self.model_acceptance.record(step.accepted, step.drafted)
 
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        self._count(step, proposed)
         self._observe_costs(step)
         self._learn_model(step)
 
@@ -624,6 +708,12 @@ class LookupPolicy(AdaptivePolicy):
     def plan(self, limit: int) -> int:
         return max(0, min(limit, self.draft_max))  # lookup's proposal is free: look first, decide in trim
 
+    def _why_not(self) -> str:
+        if not self._matched:
+            return "draft off: prompt lookup found nothing in the text to copy"
+        return (f"draft off: the lookup matches were too short to pay for a 4-token verify that costs "
+                f"{self._steps_cost(4):.1f} steps here")
+
     def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
         if not tokens:
             return 0
@@ -632,6 +722,7 @@ class LookupPolicy(AdaptivePolicy):
         return n
 
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        self._count(step, proposed)
         self._observe_costs(step)
         match, self._match = self._match, None
         self._learn_lookup(step, proposed, emitted, match)
@@ -703,7 +794,12 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
             return len(tokens)
         return min(len(tokens), self._lookup_n)
 
+    def _why_not(self) -> str:
+        return (f"draft off: neither the lookup matches nor the draft model paid for a 4-token verify that "
+                f"costs {self._steps_cost(4):.1f} steps here")
+
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        self._count(step, proposed)
         self._observe_costs(step)
         source, self._source = self._source, "none"  # until the next choose()
         match, self._match = self._match, None
@@ -720,29 +816,59 @@ POLICIES: dict[str, type[AdaptivePolicy]] = {
 }
 
 
-def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True) -> Policy:
+def reference_cost_model(one_step: float = 0.02) -> CostModel:
+    """Fixed costs for --reproducible: a batch of n tokens costs 1 + 0.35 (n - 1) one-token steps (about
+    what two CPU cores measure), at the sizes up to 16. No clock involved."""
+    sizes = [n for n in CALIBRATION_SIZES if n <= 16]
+    return CostModel(sizes, [one_step * (1 + 0.35 * (n - 1)) for n in sizes], measured=True)
+
+
+def _file_size(backend) -> int | None:
+    try:
+        return Path(backend.path).stat().st_size if backend.path else None
+    except OSError:
+        return None
+
+
+def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True,
+                reproducible: bool = False, notify: Callable[[str, float], None] | None = None) -> Policy:
     """The policy a command runs with: none without a drafter, fixed with --draft-fixed, else adaptive,
-    starting from the estimates earlier runs saved for this target and drafter (unless remember=False)."""
+    starting from the estimates earlier runs saved for this target and drafter (unless remember=False).
+
+    reproducible (--reproducible): adaptive, but its draft lengths depend only on the tokens: fixed
+    reference costs instead of timings (nothing measured, nothing learned from the clock) and no
+    estimates read from or saved for other runs. `notify(model, seconds)` is called before a
+    calibration (the first run on a machine)."""
     from .paths import cache_dir
 
     if loaded.drafter is None or draft_max == 0 or getattr(loaded, "drafting_off", None):
         return FixedPolicy(0)
     if draft_fixed is not None:
         return FixedPolicy(draft_fixed)
-    cache_file = cache_dir() / "costs.json"
-    verify = cached_cost_model(loaded.target, cache_file)
     drafter = loaded.drafter
     draft_cost = None
-    drafter_id = drafter.kind
-    if drafter.kind in ("draft-model", "hybrid"):
-        draft_cost = cached_cost_model(drafter.backend, cache_file)
-        drafter_id += ":" + cost_cache_key(drafter.backend)
-    store = None
-    if remember:
-        label = f"{loaded.target.name} + {loaded.drafter_label}"
-        store = AcceptanceStore(cache_dir() / "acceptance.json", f"{cost_cache_key(loaded.target)}|{drafter_id}", label)
-    policy = POLICIES.get(drafter.kind, DraftModelPolicy)(verify, draft_max=draft_max, draft_cost=draft_cost,
-                                                          store=store)
+    if reproducible:
+        verify = reference_cost_model()
+        if drafter.kind in ("draft-model", "hybrid"):
+            # a draft token's cost relative to a target token: the ratio of the model files' sizes
+            sizes = _file_size(drafter.backend), _file_size(loaded.target)
+            ratio = min(1.0, max(0.02, sizes[0] / sizes[1])) if all(sizes) else 0.25
+            draft_cost = CostModel([1], [verify(1) * ratio], measured=True)
+        policy = POLICIES.get(drafter.kind, DraftModelPolicy)(verify, draft_max=draft_max, draft_cost=draft_cost,
+                                                              learn_costs=False)
+    else:
+        cache_file = cache_dir() / "costs.json"
+        verify = cached_cost_model(loaded.target, cache_file, notify)
+        drafter_id = drafter.kind
+        if drafter.kind in ("draft-model", "hybrid"):
+            draft_cost = cached_cost_model(drafter.backend, cache_file, notify)
+            drafter_id += ":" + cost_cache_key(drafter.backend)
+        store = None
+        if remember:
+            label = f"{loaded.target.name} + {loaded.drafter_label}"
+            store = AcceptanceStore(cache_dir() / "acceptance.json", f"{cost_cache_key(loaded.target)}|{drafter_id}", label)
+        policy = POLICIES.get(drafter.kind, DraftModelPolicy)(verify, draft_max=draft_max, draft_cost=draft_cost,
+                                                              store=store)
     if drafter.kind == "hybrid":
         drafter.choose = policy.choose
     return policy

@@ -23,6 +23,40 @@ class UserError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: handled like Ctrl-C (a reply in progress is cut and saved), then the command
+    ends with exit code 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        import signal
+
+        return signal.Signals(self.signum).name
+
+
+# What the command is doing while it cannot answer: a Ctrl-C there is reported with it ("interrupted
+# while measuring this machine; nothing was saved"). Set through `activity`.
+_activity: list[str] = []
+
+
+@contextmanager
+def activity(what: str):
+    """While the block runs, `what` is what the command is doing. An exception leaves it in place, for
+    the handler in cli.main to report (cli.main clears it when a command starts)."""
+    depth = len(_activity)
+    _activity.append(what)
+    yield
+    del _activity[depth:]
+
+
+def current_activity() -> str | None:
+    return _activity[-1] if _activity else None
+
+
 USER_ERRORS = (UserError, BackendError, ConfigError, SourceError, TemplateError)
 
 
@@ -38,6 +72,15 @@ class RunOptions:
     max_tokens: int
     stop: list[str] = field(default_factory=list)  # the user's --stop strings (the template adds its own)
     ignore_eos: bool = False
+    reproducible: bool = False  # --reproducible: draft lengths from the tokens only (see policy.make_policy)
+
+    def policy(self, loaded, *, notify=None, draft_max: int | None = None):
+        """The draft-length policy for this run (make_policy with this run's flags)."""
+        from .policy import make_policy
+
+        draft_max = self.draft_max if draft_max is None else draft_max
+        fixed = None if self.draft_fixed is None else min(self.draft_fixed, draft_max)
+        return make_policy(loaded, draft_max, fixed, reproducible=self.reproducible, notify=notify)
 
     def for_target(self, target: Backend) -> SamplingParams:
         """The sampling parameters for this target: --ignore-eos bans its end-of-generation ids."""
@@ -76,6 +119,10 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         raise UserError(f"-t/--threads {args.threads}: the supported range is 1..{MAX_THREADS} "
                         "(ggml's GGML_MAX_N_THREADS; more can crash llama.cpp)")
+    if args.no_spec and args.draft_fixed is not None:
+        raise UserError(f"--draft-fixed {args.draft_fixed} drafts, --no-spec does not: give one of them")
+    if args.no_spec and args.hybrid:
+        raise UserError("--hybrid drafts, --no-spec does not: give one of them")
     stops = list(args.stop or [])
     for stop in stops:
         if not stop:
@@ -93,7 +140,9 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
     params = sampling_params(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+        # a reproducible run needs a seed: 0 unless given
+        seed=0 if args.reproducible and args.seed is None else args.seed,
     )
     selection = select(config, pair=args.pair, target=args.target, draft=args.draft,
                        no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid)
@@ -105,8 +154,11 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         lookup_max=args.lookup_max, lookup_history=args.lookup_history, cross_vocab=cross_vocab,
         rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn, draft_max=args.draft_max,
     )
+
+    if args.reproducible:  # earlier replies change what lookup drafts from run to run
+        load_opts.lookup_history = False
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
-                      stop=stops, ignore_eos=args.ignore_eos)
+                      stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible)
 
 
 def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:
@@ -123,6 +175,8 @@ def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:
 @contextmanager
 def loading(config: Config, run: RunOptions, console: Console):
     """Load the pair behind a spinner (on a terminal) and always free it."""
+    depth = len(_activity)
+    _activity.append("loading the models")  # what a Ctrl-C stops until they are loaded
     if console.is_terminal:
         with console.status("loading models…") as spinner:
             loaded = load(config, run.selection, run.load, status=lambda m: spinner.update(m + "…"))
@@ -131,9 +185,37 @@ def loading(config: Config, run: RunOptions, console: Console):
     if loaded.drafting_off:
         console.print(loaded.drafting_off, style="yellow")
     try:
+        del _activity[depth:]
         yield loaded
     finally:
         loaded.close()
+
+
+def measuring_notice(console: Console):
+    """The `notify` for make_policy: one visible line before a calibration (the first run on a machine),
+    and the activity a Ctrl-C then reports."""
+
+    from rich.errors import MissingStyle
+
+    try:
+        style = console.get_style("spec.notice")  # the chat's theme; a plain console has no such style
+    except MissingStyle:
+        style = "dim"
+
+    def notify(model: str, seconds: float) -> None:
+        _activity.append(f"measuring this machine ({model}); nothing was saved, it measures again next time")
+        console.print(f"measuring this machine once for {model} (about {max(1, round(seconds))} s; "
+                      "saved for next time)…", style=style, highlight=False)
+
+    return notify
+
+
+@contextmanager
+def measuring(console: Console):
+    """Around make_policy: measuring_notice's activity ends with it."""
+    depth = len(_activity)
+    yield measuring_notice(console)
+    del _activity[depth:]  # not on an exception: cli.main reports what was being measured
 
 
 def read_prompt(text: str) -> str:
@@ -144,6 +226,9 @@ def read_prompt(text: str) -> str:
         except UnicodeDecodeError as e:
             raise UserError(f"the prompt on stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at byte {e.start + 1}); "
                             "check the file's encoding") from None
+        # `echo TEXT | specchat prompt -` and a file ending in a newline: the one newline the shell or
+        # editor adds is not part of the prompt, so stdin and an argument give the same tokens
+        text = text.removesuffix("\r\n") if text.endswith("\r\n") else text.removesuffix("\n")
     check_text(text, "the prompt")
     if not text.strip():
         raise UserError("empty prompt: give some text, or - to read it from stdin")

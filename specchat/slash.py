@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 
 from . import ui
-from .transcript import Transcript, new_transcript_path
+from .transcript import Transcript
 
 if TYPE_CHECKING:
     from .chat import ChatSession
@@ -41,9 +41,14 @@ def _help(session: ChatSession, arg: str) -> None:
 
 def _reset(session: ChatSession, arg: str) -> None:
     session.conversation.reset()
-    session.transcript = Transcript(new_transcript_path())
+    session.transcript = Transcript.new()
+    session.unsaved_warned = False
+    if session.transcript.path is None:
+        session.notice(f"conversation reset · transcript not saved: {session.transcript.error}")
+        session.unsaved_warned = True
+        return
     if session.conversation.system:
-        session.transcript.write({"role": "system", "content": session.conversation.system})
+        session.save({"role": "system", "content": session.conversation.system})
     session.notice(f"conversation reset · new transcript {session.transcript.path}")
 
 
@@ -53,7 +58,7 @@ def _stats(session: ChatSession, arg: str) -> None:
         return
     session.info.print(ui.breakdown(session.last_stats))
     session.info.print(Text("session: ", style="bold").append(
-        ui.summary_line(session.totals, f"{len(session.turn_log)} replies")))
+        ui.summary_line(session.totals, _count(len(session.turn_log), "reply", "replies"))))
 
 
 def _draft(session: ChatSession, arg: str) -> None:
@@ -104,7 +109,7 @@ def _system(session: ChatSession, arg: str) -> None:
         session.notice(f"system message: {conv.system!r}" if conv.system else "no system message")
         return
     conv.set_system(arg)
-    session.transcript.write({"role": "system", "content": arg})
+    session.save({"role": "system", "content": arg})
     session.notice("system message set; the next turn evaluates the conversation again")
 
 
@@ -117,7 +122,11 @@ def _save(session: ChatSession, arg: str) -> None:
     except OSError as e:
         session.notice(f"cannot write {arg}: {e.strerror or e}", "spec.error")
         return
-    session.notice(f"saved {len(session.transcript.records)} messages to {arg}")
+    session.notice(f"saved {_count(len(session.transcript.records), 'message', 'messages')} to {arg}")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _exit(session: ChatSession, arg: str) -> None:

@@ -227,8 +227,14 @@ def _resolve_parts(spec: ModelSpec, *, progress: bool) -> Path:
             f"the {len(files)} parts of '{spec.name}' hold {total} bytes, models.toml expects {spec.size}; "
             f"reinstall them: {_reinstall_hint(spec)}"
         )
-    final.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(final.parent).free
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(final.parent).free
+    except OSError as e:
+        raise SourceError(
+            f"'{spec.name}' is joined from its parts into {final.parent} once, and that cannot be written "
+            f"({e.strerror or e}); point XDG_CACHE_HOME (or SPECCHAT_HOME) at a writable directory"
+        ) from None
     if free < spec.size:
         raise SourceError(
             f"joining '{spec.name}' needs {spec.size / 1e9:.2f} GB in {final.parent}, only {free / 1e9:.2f} GB free"
@@ -251,9 +257,13 @@ def _resolve_parts(spec: ModelSpec, *, progress: bool) -> Path:
             )
         os.replace(partial, final)
     except OSError as e:
-        raise SourceError(f"cannot write '{spec.name}' to {final.parent}: {e.strerror or e}") from None
+        raise SourceError(f"cannot write '{spec.name}' to {final.parent}: {e.strerror or e}; point "
+                          "XDG_CACHE_HOME (or SPECCHAT_HOME) at a writable directory") from None
     finally:
-        partial.unlink(missing_ok=True)
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:
+            pass
     return final
 
 

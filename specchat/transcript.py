@@ -1,9 +1,16 @@
 """Chat transcripts: JSONL, one line per message, appended and flushed as each message is final, in
-data_dir()/transcripts/. `specchat chat --resume FILE` reads one back and keeps appending to it."""
+data_dir()/transcripts/. `specchat chat --resume FILE` reads one back and keeps appending to it.
+
+Each session gets a file of its own, created exclusively (two chats started in the same second never
+share one). A transcript that cannot be written (a read-only disk, a full one) never ends the chat: the
+first failure is reported once as a warning and the chat goes on without saving.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -15,30 +22,73 @@ def transcripts_dir() -> Path:
     return data_dir() / "transcripts"
 
 
-def new_transcript_path() -> Path:
+def create_transcript(folder: Path | None = None) -> Path:
+    """Claim a new transcript file: created exclusively (O_EXCL), so a session started in the same second
+    as another gets its own `-2`, `-3`, ... Raises OSError when the folder cannot be written."""
+    folder = transcripts_dir() if folder is None else folder
+    folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = transcripts_dir() / f"{stamp}.jsonl"
-    n = 1
-    while path.exists():
-        n += 1
-        path = transcripts_dir() / f"{stamp}-{n}.jsonl"
-    return path
+    for n in range(1, 10_000):
+        path = folder / (f"{stamp}.jsonl" if n == 1 else f"{stamp}-{n}.jsonl")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return path
+    raise OSError(f"no free transcript name in {folder}")
 
 
 class Transcript:
-    """Appends one JSON line per message and flushes it at once: a killed process loses nothing."""
+    """Appends one JSON line per message and flushes it at once: a killed process loses nothing.
 
-    def __init__(self, path: Path):
-        self.path = Path(path).expanduser()
+    `path` None: nothing is saved (the transcript could not be created). A write that fails sets
+    `error` (the reason, for the one warning the chat prints) and later writes are not tried again;
+    `records` keeps every message either way, so /save can still write them elsewhere."""
+
+    def __init__(self, path: Path | None, *, error: str | None = None):
+        self.path = Path(path).expanduser() if path is not None else None
         self.records: list[dict] = []
+        self.error = error
 
-    def write(self, record: dict) -> None:
+    @classmethod
+    def new(cls) -> Transcript:
+        """A session's own new transcript, or a Transcript that saves nothing (with `error` set)."""
+        try:
+            return cls(create_transcript())
+        except OSError as e:
+            return cls(None, error=_reason(e, transcripts_dir()))
+
+    @property
+    def saving(self) -> bool:
+        return self.path is not None and self.error is None
+
+    def write(self, record: dict) -> str | None:
+        """Append one message. Returns the reason when this write failed (None when it was saved, or
+        when saving had already stopped)."""
         record = {**record, "time": datetime.now().astimezone().isoformat(timespec="seconds")}
         self.records.append(record)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
+        if not self.saving:
+            return None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+        except OSError as e:
+            self.error = _reason(e, self.path)
+            return self.error
+        return None
+
+    def discard(self) -> None:
+        """Remove the file if nothing was ever written to it (a chat that ended before its first message)."""
+        if self.path is None:
+            return
+        try:
+            if self.path.stat().st_size == 0:
+                self.path.unlink()
+        except OSError:
+            pass
 
     def save_as(self, path: Path) -> None:
         path = Path(path).expanduser()
@@ -48,9 +98,36 @@ class Transcript:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def load_transcript(path: Path) -> tuple[str | None, list[dict], list[dict]]:
-    """(system message, user/assistant turns in pairs, all records) from a transcript file.
-    A user message without its reply (the process died mid-turn) is left out."""
+def _reason(e: OSError, where: Path) -> str:
+    text = e.strerror or str(e)
+    name = e.filename if isinstance(e.filename, str) else str(where)
+    return f"{text}: {name}"
+
+
+@dataclass
+class Resumed:
+    """What --resume reads back from a transcript."""
+
+    system: str | None
+    turns: list[dict]  # user/assistant messages in pairs
+    records: list[dict]  # every record, as read
+    skipped: list[str] = field(default_factory=list)  # messages that could not be paired, described
+    pending: str | None = None  # a last user message that has no reply (the process died mid-turn)
+
+    def __iter__(self):  # (system, turns, records), as load_transcript has always returned
+        return iter((self.system, self.turns, self.records))
+
+    @property
+    def exchanges(self) -> int:
+        return len(self.turns) // 2
+
+
+def read_transcript(path: Path) -> Resumed:
+    """A transcript file, paired: each assistant message answers the user message right before it. A user
+    message followed by another user message, or an assistant message with no user message before it
+    (two sessions once wrote one file), cannot be paired: it is left out and listed in `skipped`. A user
+    message whose turn failed (a `dropped` record follows it) is left out silently; a last user message
+    with no reply is kept as `pending`."""
     path = Path(path).expanduser()
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -58,7 +135,8 @@ def load_transcript(path: Path) -> tuple[str | None, list[dict], list[dict]]:
         raise UserError(f"--resume: no such transcript: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--resume: cannot read {path}: {e}") from None
-    system, turns, records, pending = None, [], [], None
+    system, turns, records, skipped = None, [], [], []
+    pending: tuple[int, str] | None = None  # (line, content)
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -73,8 +151,21 @@ def load_transcript(path: Path) -> tuple[str | None, list[dict], list[dict]]:
         if role == "system":
             system = content or None
         elif role == "user":
-            pending = {"role": "user", "content": content}
-        elif role == "assistant" and pending is not None:
-            turns += [pending, {"role": "assistant", "content": content}]
-            pending = None
-    return system, turns, records
+            if pending is not None:
+                skipped.append(f"line {pending[0]} (a message with no reply)")
+            pending = (n, content)
+        elif role == "assistant":
+            if pending is None:
+                skipped.append(f"line {n} (a reply with no message before it)")
+            else:
+                turns += [{"role": "user", "content": pending[1]}, {"role": "assistant", "content": content}]
+                pending = None
+        elif role == "dropped":
+            pending = None  # that turn failed and was dropped; the chat said so at the time
+    return Resumed(system, turns, records, skipped, pending[1] if pending is not None else None)
+
+
+def load_transcript(path: Path) -> Resumed:
+    """(system message, user/assistant turns in pairs, all records) from a transcript file; the result
+    also carries what could not be paired and an unanswered last message (see read_transcript)."""
+    return read_transcript(path)

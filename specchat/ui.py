@@ -156,8 +156,8 @@ def footer(totals: RunStats | None, last: StepStats | None, *, label: str = "") 
     return text
 
 
-def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "") -> Text:
-    """One line at the end of a reply."""
+def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "", note: str | None = None) -> Text:
+    """One line at the end of a reply; `note` (why the policy drafted nothing) goes on a second line."""
     tps = stats.tokens_per_second or 0.0
     tau = stats.mean_accepted_length or 0.0
     parts = [
@@ -170,7 +170,10 @@ def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "") -
     if drafter_label:
         parts.append(drafter_label)
     parts.append(finish_reason)
-    return Text(" · ".join(parts), style="spec.summary")
+    text = Text(" · ".join(parts), style="spec.summary")
+    if note and not stats.drafted:
+        text.append("\n" + note, style="spec.notice")
+    return text
 
 
 def _bar(n: int, most: int, width: int = 20) -> str:

@@ -113,6 +113,12 @@ class FakeBackend:
         self.placement = None
         self.bos_text = self.eos_text = ""
         self.closed = False
+        self._fail_in: int | None = None  # see fail_after
+
+    def fail_after(self, n_evals: int, message: str = "llama_decode returned -1") -> None:
+        """The failure switch: the next `n_evals` evals work, the one after raises BackendError (as a
+        decode failure in llama.cpp does), once."""
+        self._fail_in, self._fail_message = n_evals, message
 
     # -- the protocol --------------------------------------------------------------------------------
 
@@ -130,6 +136,11 @@ class FakeBackend:
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         logits_at = [int(i) for i in logits_at]
+        if self._fail_in is not None:
+            if self._fail_in == 0:
+                self._fail_in = None
+                raise BackendError(self._fail_message)
+            self._fail_in -= 1
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise BackendError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > -c {self.n_ctx}")
         for t in tokens:

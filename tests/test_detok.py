@@ -33,12 +33,13 @@ def test_char_split_inside_multi_char_pieces():
     assert d.push(1) == "écd"
 
 
-def test_unfinished_char_at_the_end_is_flushed_as_replacement():
+def test_unfinished_char_at_the_end_is_dropped():
     pieces = split_char_vocab(8, 5, 6)
     d = detok_for(pieces)
+    assert d.push(0) == "a"
     assert d.push(5) == ""
-    assert d.flush() == "\ufffd"
-    assert d.flush() == ""
+    assert d.flush() == ""  # not U+FFFD: the character was never finished
+    assert d.push(5) == "" and d.push(6) == "é"  # and nothing of it lingers into later text
 
 
 def test_invalid_bytes_become_replacement_chars():

@@ -279,12 +279,13 @@ def test_multibyte_character_split_across_tokens():
     assert fin.text == "béc"
 
 
-def test_unfinished_character_at_the_end_becomes_replacement_char():
+@pytest.mark.parametrize("end", ["eog", "length"])
+def test_unfinished_character_at_the_end_is_dropped_from_the_text(end):
     pieces = split_char_vocab(V, 9, 10)
     target = scripted_target([1, 9, EOG], pieces=pieces)
-    tokens, _, fin = run(target, None, max_tokens=50)
-    assert [t.text for t in tokens] == ["b", ""]
-    assert fin.tail == "\ufffd" and fin.text == "b\ufffd"
+    tokens, _, fin = run(target, None, max_tokens=50 if end == "eog" else 2)
+    assert [t.text for t in tokens] == ["b", ""] and fin.finish_reason == end
+    assert fin.tail == "" and fin.text == "b" and fin.token_ids == [1, 9]
 
 
 @pytest.mark.parametrize("with_drafter", [False, True])

@@ -295,3 +295,66 @@ def test_useless_draft_model_is_not_even_prefilled():
     assert draft_backend.evaluated == 0
     cheap = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]))
     assert cheap.drafting_possible
+
+
+# -- why nothing was drafted; --reproducible ------------------------------------------------------------
+
+def linear() -> CostModel:
+    """Verifying costs as much per token as decoding: no draft can ever pay."""
+    return CostModel([1, 2, 4, 8, 16], [0.02, 0.04, 0.08, 0.16, 0.32])
+
+
+def _lookup_run(policy, n=40):
+    """A target that repeats 'abcd' after a prompt that already holds it: lookup always has a match."""
+    wanted = [0, 1, 2, 3] * 20
+    target = FakeBackend(script_logits(8, 8, wanted), 8)
+    events = list(generate(target, PromptLookup(1, 8), [0, 1, 2, 3, 0, 1, 2, 3], SamplingParams(temperature=0),
+                           max_tokens=n, policy=policy))
+    return [e for e in events if isinstance(e, Finished)][0]
+
+
+def test_a_policy_that_declines_says_why_in_a_few_words():
+    declined = LookupPolicy(linear(), draft_max=16, learn_costs=False)
+    finished = _lookup_run(declined)
+    assert finished.stats.drafted == 0
+    assert declined.last_note == ("draft off: the lookup matches were too short to pay for a 4-token verify that "
+                                  "costs 4.0 steps here")
+    drafting = LookupPolicy(CostModel([1, 2, 4, 8, 16], [0.020, 0.0202, 0.0205, 0.021, 0.022]), draft_max=16,
+                            learn_costs=False)
+    assert _lookup_run(drafting).stats.drafted > 0 and drafting.last_note is None
+    model = DraftModelPolicy(linear(), draft_max=8, draft_cost=CostModel([1], [0.02]))
+    assert not model.drafting_possible
+    model.observe(step(0, 0, 0.02), [], [1])  # one plain step, at the cost model's own pace
+    model.finish()
+    assert model.last_note.startswith("draft off: a draft token costs 1.00 steps and a 2-token verify 2.0 steps here")
+    from specchat import ui
+    from specchat.stats import RunStats
+
+    line = ui.summary_line(RunStats(steps=1, emitted=1), "length", "prompt-lookup", declined.last_note).plain
+    assert line.splitlines()[1] == declined.last_note
+
+
+def test_reproducible_policy_never_reads_the_clock_or_the_store(tmp_path, monkeypatch):
+    """--reproducible: the same tokens give the same draft lengths whatever the timings and whatever
+    earlier runs learned, and nothing is measured, read or written."""
+    from types import SimpleNamespace
+
+    import specchat.policy as policy_module
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda *a, **k: pytest.fail("measured")))
+    clock = iter(np.random.default_rng(0).uniform(0, 100, 100_000).cumsum())
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: next(clock))  # a wildly noisy machine
+
+    def plans():
+        target = FakeBackend(script_logits(8, 8, [0, 1, 2, 3] * 20), 8)
+        loaded = SimpleNamespace(drafter=PromptLookup(1, 8), target=target, drafter_label="prompt-lookup")
+        policy = policy_module.make_policy(loaded, 16, None, reproducible=True)
+        events = list(generate(target, loaded.drafter, [0, 1, 2, 3, 0, 1, 2, 3], SamplingParams(temperature=0),
+                               max_tokens=60, policy=policy))
+        return [e.stats.drafted for e in events if hasattr(e, "totals")]
+
+    first = plans()
+    assert sum(first) > 0  # the adaptive policy drafts
+    assert plans() == first and plans() == first
+    assert not any(tmp_path.rglob("*.json"))  # no costs, no acceptance store

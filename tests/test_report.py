@@ -287,7 +287,7 @@ def test_saved_runs_reaggregate_to_the_same_summary():
 
 
 def test_tables_show_the_numbers():
-    agg = rp.aggregate(hand_records(), drafter_kind="draft-model")
+    agg = rp.aggregate(hand_records(), drafter_kind="draft-model", min_samples=1)
     specs = rp.table_specs(agg)
     assert [s.title.split(" (")[0] for s in specs] == [
         "Recommended setting per category", "Speed and acceptance",
@@ -489,7 +489,7 @@ def test_project_best_k_by_hand():
 
 
 def test_projection_pools_the_drafting_settings_of_a_category():
-    agg = rp.aggregate(hand_records(), drafter_kind="draft-model")
+    agg = rp.aggregate(hand_records(), drafter_kind="draft-model", min_samples=1)
     # category a: k=2 only, positions [2/3, 1/3], c = (0.03 s / 6 drafted) / (0.5 s / 4 tokens) = 0.04
     a = agg["projected"]["a"]
     assert a["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3]) and a["draft_cost_ratio"] == pytest.approx(0.04)
@@ -497,3 +497,28 @@ def test_projection_pools_the_drafting_settings_of_a_category():
     # all: both categories' k=2 runs pooled (5 steps: position 1 tried 5 times, accepted 2 + 1)
     assert agg["projected"]["all"]["per_position_acceptance"][0] == pytest.approx(3 / 5)
     assert "PROJECTED" in agg["projection_assumption"]
+
+
+def test_projection_uses_only_positions_with_enough_samples():
+    """`report --limit 3` once projected k = 11 from positions drafted once or twice: a position counts
+    only when enough steps drafted that far, and the projection says which positions it used."""
+    # positions 1-3 drafted 12, 10, 9 times; 4-11 once each (a single long lookup draft), all accepted
+    acc = [0.5, 0.4, 0.9] + [1.0] * 8
+    tries = [12, 10, 9] + [1] * 8
+    pr = rp.project_best_k(acc, 0.0, tries, min_samples=10)
+    assert pr["measured_positions"] == 2 and pr["positions_left_out"] == 9
+    assert pr["per_position_acceptance"] == [0.5, 0.4] and pr["position_tries"] == [12, 10]
+    assert pr["k"] == 2 and pr["tokens_per_step"] == pytest.approx(1.9)
+    everything = rp.project_best_k(acc, 0.0)  # without the threshold: the one-step positions decide
+    assert everything["k"] == 11
+    assert rp.project_best_k(acc, 0.0, [3] * 11, min_samples=10) is None  # nothing measured enough
+    from specchat.report.command import projection_basis
+
+    assert projection_basis(pr) == ("from positions 1-2 (each drafted at least 10 times; 9 further positions "
+                                    "drafted fewer times left out)")
+
+
+def test_aggregate_applies_the_sample_threshold():
+    records = hand_records()
+    assert rp.aggregate(records, drafter_kind="draft-model")["projected"]["a"] is None  # 3 steps: too few
+    assert rp.aggregate(records, drafter_kind="draft-model", min_samples=3)["projected"]["a"]["k"] == 2

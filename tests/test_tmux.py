@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -155,3 +156,53 @@ def test_chat_in_a_real_terminal(tmux, tmp_path):
     history = home / "share" / "history"
     assert "What is 2 + 2?" in history.read_text()
     print(f"\n{tmux.screen(escapes=True)}\nwhole session {time.monotonic() - started:.1f} s")
+
+
+def _chat_command(home: Path, args: str) -> str:
+    # sh prints its pid, then `exec` hands that pid to Python: PID is the process a signal is sent to
+    inner = (f"echo PID $$; SPECCHAT_HOME={shlex.quote(str(home))} exec {shlex.quote(sys.executable)} "
+             f"-m specchat.cli chat {args}")
+    return f"cd {shlex.quote(str(REPO))} && sh -c {shlex.quote(inner)}"
+
+
+def test_first_chat_on_an_empty_home_shows_the_header_and_measuring_line_first(tmux, tmp_path):
+    """A fresh home: the header and "measuring this machine once (about N s)" are on screen while it
+    measures (before the prompt), and the first message is answered. Times are printed, not asserted."""
+    home = tmp_path / "home"
+    started = time.monotonic()
+    tmux.start(_chat_command(home, "-n 48 --temp 0") + "; echo EXITED $?; sleep 60", tmp_path / "tmux.conf")
+    screen = tmux.wait_for(lambda s: "measuring this machine once" in s, 120, "the measuring line")
+    seen = time.monotonic() - started
+    assert "specchat chat · smollm2-135m + prompt-lookup" in screen
+    assert screen.index("specchat chat ·") < screen.index("measuring this machine once")
+    tmux.wait_for(at_prompt, 120, "the prompt after measuring")
+    ready = time.monotonic() - started
+    tmux.type("What is the capital of France? Answer in one sentence.")
+    tmux.send("Enter")
+    screen = tmux.wait_for(lambda s: summaries(s) == 1 and at_prompt(s), 120, "the first reply")
+    answered = time.monotonic() - started
+    assert "Paris" in screen
+    tmux.send("C-d")
+    tmux.wait_for(lambda s: "EXITED 0" in s, 20, "exit")
+    print(f"\nmeasuring line at {seen:.1f} s, prompt at {ready:.1f} s, first answer at {answered:.1f} s "
+          "(typing included)")
+
+
+def test_sigterm_mid_reply_saves_the_partial_reply_and_leaves_the_terminal_clean(tmux, tmp_path):
+    home = tmp_path / "home"
+    tmux.start(_chat_command(home, "-n 400 --temp 0 -c 2048") + "; echo EXITED $?; sleep 60", tmp_path / "tmux.conf")
+    screen = tmux.wait_for(at_prompt, 120, "the prompt")
+    pid = int(re.search(r"^PID (\d+)$", screen, re.M).group(1))
+    tmux.type("Count from 1 to 200, separated by commas.")
+    tmux.send("Enter")
+    tmux.wait_for(lambda s: "drafted now" in s and re.search(r"[1-9]\d* tokens$", s.rstrip()) is not None, 60,
+                  "the live footer", interval=0.02)
+    os.kill(pid, signal.SIGTERM)
+    screen = tmux.wait_for(lambda s: "EXITED" in s, 30, "exit after SIGTERM")
+    assert "EXITED 143" in screen
+    assert "[interrupted]" in screen and "specchat: stopped by SIGTERM" in screen
+    assert "drafted now" not in screen and "Terminated" not in screen  # the footer is gone, no shell notice
+    files = list((home / "share" / "transcripts").glob("*.jsonl"))
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [r["role"] for r in records] == ["user", "assistant"]
+    assert records[1]["interrupted"] is True and records[1]["content"].strip()  # the partial reply

@@ -37,6 +37,11 @@ def _plain(value):
     return value
 
 
+# A draft position's acceptance counts in the projection only when at least this many steps drafted that
+# far: a position seen once or twice is 0% or 100% by chance (`report --limit 3` projected k = 11 from them).
+MIN_POSITION_SAMPLES = 10
+
+
 @dataclass(eq=False)
 class SummaryRow(_Row):
     """One (category, setting): the merged RunStats and what is computed against target-only."""
@@ -77,7 +82,10 @@ class Projection(_Row):
     draft_cost_ratio: float
     break_even_cost_ratio: float
     per_position_acceptance: list[float]
-    measured_positions: int
+    measured_positions: int  # the leading positions used: each drafted at least min_samples times
+    min_samples: int = 1
+    positions_left_out: int = 0  # positions further on, drafted fewer times: not used
+    position_tries: list[int] = field(default_factory=list)  # steps that drafted that far, per used position
 
 
 @dataclass(eq=False)
@@ -88,6 +96,7 @@ class Aggregate(_Row):
     recommended: dict[str, Recommendation]
     projected: dict[str, Projection | None]
     projection_assumption: str
+    min_position_samples: int = MIN_POSITION_SAMPLES
     same_output_as_target_only: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
@@ -124,10 +133,18 @@ PROJECTION_ASSUMPTION = (
 )
 
 
-def project_best_k(per_position: Sequence[float], c: float | None) -> Projection | None:
+def project_best_k(per_position: Sequence[float], c: float | None, tries: Sequence[int] | None = None,
+                   min_samples: int = 1) -> Projection | None:
     """The best draft length where verification is free: maximise E(k) / (1 + c k), E(k) = 1 + sum of the
-    measured per-position acceptance (probability that drafts 1..i are all accepted) up to k. None when
-    nothing was drafted or c is unknown."""
+    measured per-position acceptance (probability that drafts 1..i are all accepted) up to k. With `tries`
+    (steps that drafted that far, per position) only the leading positions drafted at least `min_samples`
+    times are used. None when no position qualifies, nothing was drafted, or c is unknown."""
+    all_positions = len(per_position)
+    if tries is not None:
+        used = 0
+        while used < min(len(tries), all_positions) and tries[used] >= min_samples:
+            used += 1
+        per_position = list(per_position[:used])
     if not per_position or c is None:
         return None
     expected = [1.0]
@@ -141,7 +158,9 @@ def project_best_k(per_position: Sequence[float], c: float | None) -> Projection
     break_even = max((expected[k] - 1.0) / k for k in range(1, len(expected)))
     return Projection(k=best, speedup=speedups[best], tokens_per_step=expected[best], draft_cost_ratio=c,
                       break_even_cost_ratio=break_even, per_position_acceptance=list(per_position),
-                      measured_positions=len(per_position))
+                      measured_positions=len(per_position), min_samples=min_samples if tries is not None else 1,
+                      positions_left_out=all_positions - len(per_position),
+                      position_tries=list(tries[: len(per_position)]) if tries is not None else [])
 
 
 def summary_row(stats: RunStats, baseline: RunStats | None, *, drafter_kind: str | None, prompts: int, runs: int,
@@ -184,7 +203,7 @@ def recommend(rows: Mapping[str, Mapping]) -> Recommendation:
 
 
 def aggregate(records: Sequence[RunRecord], *, drafter_kind: str | None = None,
-              settings: Sequence[str] | None = None) -> Aggregate:
+              settings: Sequence[str] | None = None, min_samples: int = MIN_POSITION_SAMPLES) -> Aggregate:
     """Records -> typed rows per category and setting, the recommendation and projection per category;
     category "all" holds every record. Categories keep their first-seen order."""
     names = list(settings) if settings else list(dict.fromkeys([BASELINE, *(r.setting for r in records)]))
@@ -223,7 +242,7 @@ def aggregate(records: Sequence[RunRecord], *, drafter_kind: str | None = None,
             if name != BASELINE and (cat, name) in merged:
                 pooled.merge(merged[(cat, name)])
         c = draft_cost_ratio(pooled, merged.get((cat, BASELINE)), drafter_kind)
-        projection[cat] = project_best_k(pooled.per_position_acceptance, c)
+        projection[cat] = project_best_k(pooled.per_position_acceptance, c, pooled.position_tries, min_samples)
     return Aggregate(
         categories=categories,
         settings=names,
@@ -231,5 +250,6 @@ def aggregate(records: Sequence[RunRecord], *, drafter_kind: str | None = None,
         recommended={cat: recommend(rows) for cat, rows in summary.items()},
         projected=projection,
         projection_assumption=PROJECTION_ASSUMPTION,
+        min_position_samples=min_samples,
         same_output_as_target_only=matches,
     )

@@ -21,6 +21,17 @@ from .run import run_report, warm_up
 REPORT = "Report"
 
 
+def projection_basis(pr: dict) -> str:
+    """Which positions the projection stands on, and which it left out."""
+    n = pr["measured_positions"]
+    used = "position 1" if n == 1 else f"positions 1-{n}"
+    text = f"from {used} (each drafted at least {pr.get('min_samples', 1)} times"
+    left = pr.get("positions_left_out", 0)
+    if left:
+        text += f"; {left} further position{'s' if left != 1 else ''} drafted fewer times left out"
+    return text + ")"
+
+
 @opt.run_args(
     # report always runs target-only as its baseline: --no-spec would leave nothing to compare
     exclude=("no_spec",),
@@ -53,7 +64,7 @@ def report_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from ..config import load_config
-    from ..runner import loading, run_options
+    from ..runner import loading, measuring_notice, run_options
     from ..template import render
 
     settings = parse_sweep(sweep, () if run.draft_fixed is None else (run.draft_fixed,))
@@ -75,7 +86,8 @@ def report_command(
 
         def policy_for(setting: Setting) -> Policy:
             if setting.k is None:
-                return make_policy(loaded, run.draft_max, None)
+                return make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
+                                   notify=measuring_notice(err))
             return FixedPolicy(setting.k)
 
         total = sum(len(i.turns) for i in items) * len(settings)
@@ -130,6 +142,11 @@ def report_command(
     if pr is not None:
         console.print(f"Projected on a GPU-like machine: draft k = {pr['k']}, {_times(pr['speedup'])}; drafting pays "
                       f"where the draft costs < {_num(pr['break_even_cost_ratio'])}x the target per token "
-                      f"(c = {_num(pr['draft_cost_ratio'])} here) ({doc['projection_assumption']})", markup=False)
+                      f"(c = {_num(pr['draft_cost_ratio'])} here); {projection_basis(pr)} "
+                      f"({doc['projection_assumption']})", markup=False)
+    elif any(r["drafted"] for r in doc["summary"][ALL].values()):
+        need = doc.get("min_position_samples", 1)
+        console.print(f"No projection: no draft position was drafted {need} times or more (run more prompts than "
+                      "--limit allows)", markup=False)
     for kind, path in paths.items():
         console.print(f"{kind:>8}: {path}")

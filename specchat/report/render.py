@@ -241,11 +241,21 @@ def write_chart(doc: dict, path: Path) -> None:
     left, right = fig.subplots(1, 2)
 
     spec_settings = [s for s in settings if s != BASELINE]
+    enough = doc.get("min_position_samples", 1)
     for name in spec_settings:
         acc = summary[ALL][name]["per_position_acceptance"]
+        tries = summary[ALL][name].get("position_tries") or [0] * len(acc)
         if acc:
-            left.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
-    left.set_title("Per-position acceptance (all prompts)")
+            xs_pos = list(range(1, len(acc) + 1))
+            (line,) = left.plot(xs_pos, acc, marker="o", label=name)
+            # each point says how many steps drafted that far; hollow where too few to count
+            for x, y, n in zip(xs_pos, acc, tries):
+                if n < enough:
+                    left.plot([x], [y], marker="o", markerfacecolor="white", color=line.get_color())
+                left.annotate(str(n), (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                              fontsize=7, color=line.get_color())
+    left.set_title(f"Per-position acceptance (all prompts; n = steps drafting that far, hollow: n < {enough})",
+                   fontsize="medium")
     left.set_xlabel("draft position")
     left.set_ylabel("acceptance")
     left.set_ylim(0, 1.05)
