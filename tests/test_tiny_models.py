@@ -39,8 +39,17 @@ def files(tmp_path_factory) -> dict:
     return out
 
 
+def _local_devices():
+    """This machine's devices only: once test_rpc has registered a worker in this process (since gone),
+    llama.cpp's default device list would include it and the process would exit on connecting."""
+    from specchat import rpc
+
+    return rpc.model_devices(rpc.local_gpu_devices() if rpc.any_registered() else None)
+
+
 def _llama(path: Path, **kwargs):
-    return llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False, **kwargs)
+    with _local_devices():
+        return llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False, **kwargs)
 
 
 def _greedy(llm, prompt: list[int], n: int) -> list[int]:
@@ -204,9 +213,10 @@ def models(files):
     llama_cpp.llama_backend_init()
     loaded = {}
     for arch in tm.ARCHS:
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 0  # like Llama's default; CPU results are bit-reproducible across batch shapes
-        loaded[arch] = llama_cpp.llama_model_load_from_file(str(files[arch, "target"]).encode(), params)
+        with _local_devices():  # patches llama_cpp.llama_cpp.llama_model_default_params while in force
+            params = llama_cpp.llama_cpp.llama_model_default_params()
+            params.n_gpu_layers = 0  # like Llama's default; CPU results are bit-reproducible across batch shapes
+            loaded[arch] = llama_cpp.llama_model_load_from_file(str(files[arch, "target"]).encode(), params)
         assert loaded[arch] is not None
     yield loaded
     for model in loaded.values():
