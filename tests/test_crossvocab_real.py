@@ -140,7 +140,7 @@ def test_prompt_json_says_which_rule_ran(tmp_path):
 
 def test_report_runs_and_projects_a_cross_vocab_pair(tmp_path):
     out = tmp_path / "rep"
-    result = specchat("report", "--pair", "smollm2-gemma", "--limit", "2", "-n", "12", "--sweep", "0,3",
+    result = specchat("report", "--pair", "smollm2-gemma", "--limit", "2", "-n", "32", "--sweep", "0,3",
                       "--draft-p-min", "0", "--out", str(out), home=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr
     doc = json.loads((out / "report.json").read_text())

@@ -379,7 +379,7 @@ def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
             assert len(session.turn_log) == 2
         finally:
             loaded.close()
-        records = [r["role"] for r in chat.load_transcript(tmp_path / "t.jsonl")[2]]
+        records = [r["role"] for r in chat.load_transcript(tmp_path / "t.jsonl").records]
         assert records == ["user", "assistant", "user", "assistant"]
     finally:
         w.stop(signal.SIGKILL)
