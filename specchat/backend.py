@@ -241,8 +241,9 @@ FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
 
 
 @contextmanager
-def context_params(flash_attn: str, n_rs_seq: int = 0):
-    """While a `Llama` loads, give its context llama.cpp's flash-attention setting and `n_rs_seq`.
+def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False):
+    """While a `Llama` loads, give its context llama.cpp's flash-attention setting and `n_rs_seq`, and its
+    model `load_mtp` (the MTP / NextN layers a model carries for drafting; skipped unless asked for).
 
     llama-cpp-python 0.3.36's `Llama(...)` offers flash attention only on and off, defaulting to off; llama.cpp
     (llama-cli, llama-server, llama-bench) defaults to auto, which turns it on where every layer's device
@@ -258,6 +259,7 @@ def context_params(flash_attn: str, n_rs_seq: int = 0):
         "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
     }[flash_attn]
     original = internals.LlamaContext
+    original_model = internals.LlamaModel
 
     class WithOurParams(original):
         def __init__(self, *, model, params, verbose=True):
@@ -265,11 +267,70 @@ def context_params(flash_attn: str, n_rs_seq: int = 0):
             params.n_rs_seq = n_rs_seq
             super().__init__(model=model, params=params, verbose=verbose)
 
+    class WithOurModelParams(original_model):
+        def __init__(self, *, path_model, params, verbose=True):
+            params.load_mtp = load_mtp
+            super().__init__(path_model=path_model, params=params, verbose=verbose)
+
     internals.LlamaContext = WithOurParams
+    internals.LlamaModel = WithOurModelParams
     try:
         yield
     finally:
         internals.LlamaContext = original
+        internals.LlamaModel = original_model
+
+
+# -- llama.cpp's staging API for drafting heads (src/llama-ext.h) ---------------------------------------
+# The target's final hidden rows ("nextn embeddings") that an MTP head reads are only reachable through
+# functions in llama.cpp's staging header, which libllama exports as C++ (mangled) symbols and
+# llama-cpp-python does not bind. They are bound here and nowhere else.
+HEADS_VERSION = "0.3.36"  # the first llama-cpp-python whose libllama has them (and load_mtp, ctx_type)
+_NEXTN_SYMBOLS = {
+    "set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+    "get_embeddings_nextn": "_Z26llama_get_embeddings_nextnP13llama_context",
+    "get_embeddings_nextn_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+}
+
+
+class NextnAPI:
+    """llama_set_embeddings_nextn / llama_get_embeddings_nextn(_ith), bound from libllama by symbol."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        f = getattr(lib, _NEXTN_SYMBOLS["set_embeddings_nextn"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None
+        self.set_embeddings_nextn = f
+        f = getattr(lib, _NEXTN_SYMBOLS["get_embeddings_nextn"])
+        f.argtypes, f.restype = [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float)
+        self.get_embeddings_nextn = f
+        f = getattr(lib, _NEXTN_SYMBOLS["get_embeddings_nextn_ith"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
+        self.get_embeddings_nextn_ith = f
+
+
+_nextn_api: NextnAPI | None = None
+
+
+def nextn_api() -> NextnAPI:
+    """The staging API, or a one-line BackendError naming the llama-cpp-python version that has it."""
+    global _nextn_api
+    if _nextn_api is None:
+        import llama_cpp
+        import llama_cpp.llama_cpp as low
+
+        version = getattr(llama_cpp, "__version__", "?")
+        lib = getattr(low, "_lib", None)
+        missing = [name for name, sym in _NEXTN_SYMBOLS.items() if lib is None or not hasattr(lib, sym)]
+        has_c_api = all(hasattr(low, f) for f in ("llama_model_n_layer_nextn", "llama_batch_ext_set_embd_state",
+                                                  "llama_process"))
+        if missing or not has_c_api or not hasattr(low.llama_model_params, "load_mtp"):
+            raise BackendError(
+                f"drafting heads need llama-cpp-python >= {HEADS_VERSION} (its libllama exports "
+                f"llama_set_embeddings_nextn and llama_get_embeddings_nextn_ith); installed: {version}: "
+                f"pip install 'llama-cpp-python>={HEADS_VERSION}'"
+            )
+        _nextn_api = NextnAPI(lib)
+    return _nextn_api
 
 
 # llama.cpp's own lists (src/llama-arch.cpp), for saying what a model file is without loading it. A loaded
@@ -362,6 +423,7 @@ class LlamaCppBackend:
         rpc: Sequence[str] = (),
         flash_attn: str = "auto",
         snapshots: int = MAX_SNAPSHOTS,
+        mtp: bool = False,
     ):
         """`snapshots`: recurrent-state snapshots to keep where the architecture supports them (the longest
         draft whose batch can be cut back without a copy); 0 for a model whose cache is cut after single-
@@ -382,7 +444,7 @@ class LlamaCppBackend:
         from .rpc import model_devices
 
         try:
-            with model_devices(devices), context_params(flash_attn, snapshots):
+            with model_devices(devices), context_params(flash_attn, snapshots, load_mtp=mtp):
                 self.llm = llama_cpp.Llama(
                     str(path),
                     n_ctx=n_ctx,
@@ -419,6 +481,14 @@ class LlamaCppBackend:
         self.n_gpu_layers = n_gpu_layers
         self._model = self.llm.model
         self.n_layer = llama_cpp.llama_model_n_layer(self._model)
+        self.n_layer_nextn = (llama_cpp.llama_model_n_layer_nextn(self._model)
+                              if hasattr(llama_cpp, "llama_model_n_layer_nextn") else 0)
+        self.mtp_loaded = mtp
+        self.flash_attn = flash_attn
+        # called after every decode with (position of the batch's first token, its final hidden rows):
+        # how an MTP head sees the target's hidden states (see capture_hidden)
+        self.hidden_sink = None
+        self._n_embd_out = llama_cpp.llama_model_n_embd_out(self._model)
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.n_swa = 0 if swa_full else llama_cpp.llama_model_n_swa(self._model)
@@ -515,6 +585,16 @@ class LlamaCppBackend:
         self._held = len(self.tokens)
         self._last_batch = len(chunk)
         self.evaluated += len(chunk)
+        if self.hidden_sink is not None:
+            ptr = self._nextn.get_embeddings_nextn(self.llm.ctx)
+            self.hidden_sink(n_before, np.ctypeslib.as_array(ptr, shape=(len(chunk), self._n_embd_out)))
+
+    def capture_hidden(self, sink) -> None:
+        """Hand every decode's final hidden rows (one per token, as llama.cpp's MTP graph reads them) to
+        `sink(p0, rows)`; the rows are llama.cpp's buffer, valid until the next decode."""
+        self._nextn = nextn_api()
+        self._nextn.set_embeddings_nextn(self.llm.ctx, True, False)  # unmasked: a row for every token
+        self.hidden_sink = sink
 
     def _copy_rows(self, batch_idx, row_idx, rows: np.ndarray | None = None) -> np.ndarray:
         """Copy the last decode's logits at batch indices `batch_idx` into rows[row_idx]."""
@@ -722,6 +802,165 @@ class LlamaCppBackend:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
         self.llm.close()
+
+
+class MtpHead:
+    """The target's own MTP (NextN) layers as a drafting model: a second llama.cpp context of type
+    LLAMA_CONTEXT_TYPE_MTP on the target's weights (`ctx_other` = the target's context), with a KV cache of
+    its own for the MTP block. Every entry is a token AND a hidden row:
+    which row goes with which token is the drafter's business (drafters.HeadDrafter); `eval` takes them
+    paired (`llama_batch_ext_set_embd_token`), returns the logits rows asked for, and keeps the head's own output hidden rows in `hidden`
+    for a chained draft. Backend-shaped, so the policy measures and learns its cost like a draft model's."""
+
+    kind = "mtp"
+
+    def __init__(self, target: LlamaCppBackend):
+        lib = target._lib
+        if target.n_layer_nextn <= 0:
+            raise BackendError(
+                f"-md mtp: {target.name} has no MTP layers (llama_model_n_layer_nextn = 0); "
+                "use a draft model or -md prompt-lookup"
+            )
+        if not target.mtp_loaded:
+            raise BackendError(f"-md mtp: {target.name} was loaded without its MTP layers")
+        api = nextn_api()
+        self._lib, self._api, self.target = lib, api, target
+        params = lib.llama_context_default_params()
+        params.n_ctx = target.n_ctx
+        params.n_batch = params.n_ubatch = target.n_batch
+        params.n_threads = params.n_threads_batch = target.n_threads
+        params.n_seq_max = 1
+        params.ctx_type = 1  # LLAMA_CONTEXT_TYPE_MTP
+        params.ctx_other = target.llm.ctx
+        params.n_rs_seq = 0
+        params.flash_attn_type = {"auto": -1, "on": 1, "off": 0}[target.flash_attn]
+        self.ctx = lib.llama_init_from_model(target._model, params)
+        if not self.ctx:
+            raise BackendError(f"llama.cpp could not create the MTP context of {target.name}")
+        api.set_embeddings_nextn(self.ctx, True, True)  # masked: hidden rows only where logits are asked
+        self._mem = lib.llama_get_memory(self.ctx)
+        self._batch = lib.llama_batch_ext_init(self.ctx)
+        self.n_embd = lib.llama_model_n_embd_out(target._model)
+        self.n_vocab = target.n_vocab
+        self.n_ctx = target.n_ctx
+        self.n_batch = target.n_batch
+        self.name = f"{target.name} MTP"
+        self.path = target.path
+        self.cost_tag = "|mtp"  # the head's costs are cached apart from the target's (same file)
+        self.n_threads = target.n_threads
+        self.n_gpu_layers = target.n_gpu_layers
+        self.rpc = target.rpc
+        self.memory = MemoryKind("kv", "mtp")
+        self.tokens: list[int] = []
+        self.hidden = np.zeros((0, self.n_embd), dtype=np.float32)
+        self.evaluated = 0
+        self.rollback_recoveries = 0
+        self.reevaluated = 0
+        self.rollback_seconds = 0.0
+        self._zeros = np.zeros((1, self.n_embd), dtype=np.float32)
+        self._pos = ctypes.c_int32(0)
+
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False,
+             states: np.ndarray | None = None) -> np.ndarray:
+        """Append entries (tokens[i], states[i]) at the next positions; states None = zero rows (the cost
+        is the same: the policy's calibration). Returns the logits rows at `logits_at`; the head's output
+        hidden rows there are left in `self.hidden`."""
+        lib, n = self._lib, len(tokens)
+        if len(self.tokens) + n > self.n_ctx:
+            raise BackendError(f"context full: the MTP head holds {len(self.tokens)} + {n} tokens > -c {self.n_ctx}")
+        if states is None:
+            states = np.zeros((n, self.n_embd), dtype=np.float32)
+        states = np.ascontiguousarray(states, dtype=np.float32)
+        want = list(logits_at)
+        rows = np.empty((len(want), self.n_vocab), dtype=np.float32)
+        hidden = np.empty((len(want), self.n_embd), dtype=np.float32)
+        row_of = {i: r for r, i in enumerate(want)}
+        rows_first = want == list(range(len(want))) and len(want) <= self.n_batch
+        base = states.ctypes.data
+        stride = 4 * self.n_embd
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            lib.llama_batch_ext_clear(self._batch)
+            p0 = len(self.tokens)
+            for j in range(m):
+                idx = lib.llama_batch_ext_add_token(self._batch, 0, int(tokens[start + j]))
+                self._pos.value = p0 + j
+                lib.llama_batch_ext_set_pos(self._batch, idx, ctypes.byref(self._pos))
+                embd = lib.llama_embd(ctypes.cast(base + (start + j) * stride, ctypes.POINTER(ctypes.c_float)),
+                                      1, self.n_embd)
+                # the hidden row rides as the entry's embedding beside its token id, as llama.cpp's own
+                # MTP hook batches do (llama_batch_ext_set_embd_state is still a stub returning false)
+                if idx < 0 or not lib.llama_batch_ext_set_embd_token(self._batch, idx, embd):
+                    raise BackendError(f"llama.cpp refused an MTP batch entry ({self.name})")
+                lib.llama_batch_ext_set_output_logits(self._batch, idx, (start + j) in row_of)
+            rc = lib.llama_process(self.ctx, 1, self._batch)  # LLAMA_PROCESS_TYPE_DECODE
+            if rc != 0:
+                lib.llama_memory_seq_rm(self._mem, 0, p0, -1)
+                raise BackendError(f"llama_process failed with code {rc} ({self.name})")
+            self.tokens.extend(int(t) for t in tokens[start : start + m])
+            self.evaluated += m
+            for j in range(m):
+                r = row_of.get(start + j)
+                if r is not None:
+                    rows[r] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j), shape=(self.n_vocab,))
+                    if rows_first:
+                        hidden[r] = np.ctypeslib.as_array(self._api.get_embeddings_nextn_ith(self.ctx, j),
+                                                          shape=(self.n_embd,))
+        # llama.cpp's masked hidden rows of an MTP decode are the first n_outputs rows of the batch, whatever
+        # the outputs' indices: they are the outputs' own only when those come first (HeadDrafter evaluates
+        # the entry it drafts from in a batch of its own, as llama.cpp does)
+        self.hidden = hidden if rows_first else np.zeros((0, self.n_embd), dtype=np.float32)
+        return rows
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep < len(self.tokens):
+            if not self._lib.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+                self._lib.llama_memory_clear(self._mem, True)
+                n_keep = 0
+            del self.tokens[n_keep:]
+
+    def checkpoint(self, batch: int | None = None, *, turn: bool = False) -> None:
+        pass  # an attention cache: any suffix is cut for free
+
+    # the vocabulary is the target's
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.target.tokenize(text, add_special, parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.target.token_bytes(token)
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        return self.target.eog_tokens()
+
+    def is_eog(self, token: int) -> bool:
+        return self.target.is_eog(token)
+
+    @property
+    def vocab(self) -> VocabInfo:
+        return self.target.vocab
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.target.chat_template
+
+    @property
+    def bos_text(self) -> str:
+        return self.target.bos_text
+
+    @property
+    def eos_text(self) -> str:
+        return self.target.eos_text
+
+    @property
+    def placement(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        if self.ctx:
+            self.target.hidden_sink = None
+            self._lib.llama_batch_ext_free(self._batch)
+            self._lib.llama_free(self.ctx)
+            self.ctx = None
 
 
 def _rpc_devices(endpoints: Sequence[str]):

@@ -425,6 +425,51 @@ def _block_tensors(arch: str, i: int, w: _Weights, n_embd: int, dims: dict) -> d
     return t
 
 
+MTP_MIX = 1.0  # weight of the hidden-state path against the token path in the MTP block
+_SHARED_HEAD = "blk.{}.nextn.shared_head_head.weight"
+
+
+def _mtp_tensors(il: int, seed: int, n_embd: int, dims: dict, cycle: int, n_tokens: int,
+                 mix: float) -> dict[str, np.ndarray]:
+    """One Qwen3.5 NextN block at index `il` (llama_model_qwen35::graph_mtp), made to predict the token after
+    next from BOTH its inputs. At MTP position p+1 llama.cpp feeds the token x_{p+1} and the target's final
+    hidden row h_p (after output_norm: ~E[x_p] in this near-bigram model). eh_proj = [I | mix*I] sums the two
+    (after their RMS norms), the attention and FFN outputs are 0 (the block passes that sum through), and its
+    own LM head (`shared_head_head`) scores token v by E[pred v] + mix * E[pred pred v]: v = succ[x_{p+1}]
+    wins only when h_p really is the row of the token before x_{p+1}. Paired with another position's row,
+    two or three tokens tie for the top, so acceptance collapses to about a half or a third.
+    Chained drafts feed the block's own output row back as h, like llama.cpp does."""
+    w = _Weights(seed, il, 0.0)  # context 0: the output projections are exactly zero
+    hd, nh, nkv, n_ff = dims["hd"], dims["n_head"], dims["n_kv"], dims["n_ff"]
+    eye = np.eye(n_embd, dtype=np.float32)
+    e = _embeddings(seed, n_embd)
+    succ = successor_map(seed, cycle, n_tokens)
+    src = np.flatnonzero(succ >= 0)  # cycle tokens t: v = succ[t] has pred v = t
+    pred = np.full(N_VOCAB, -1, dtype=np.int64)
+    pred[succ[src]] = src
+    head = np.zeros_like(e)
+    v = succ[src]
+    head[v] = HEAD_SCALE * (e[src] + mix * e[pred[src]])
+    return {
+        f"blk.{il}.attn_norm.weight": _ones(n_embd),
+        f"blk.{il}.post_attention_norm.weight": _ones(n_embd),
+        f"blk.{il}.attn_q.weight": w.mat(2 * nh * hd, n_embd, 2.0),
+        f"blk.{il}.attn_k.weight": w.mat(nkv * hd, n_embd, 2.0),
+        f"blk.{il}.attn_v.weight": w.mat(nkv * hd, n_embd),
+        f"blk.{il}.attn_q_norm.weight": _ones(hd),
+        f"blk.{il}.attn_k_norm.weight": _ones(hd),
+        f"blk.{il}.attn_output.weight": w.out(n_embd, nh * hd),
+        f"blk.{il}.ffn_gate.weight": w.mat(n_ff, n_embd),
+        f"blk.{il}.ffn_up.weight": w.mat(n_ff, n_embd),
+        f"blk.{il}.ffn_down.weight": w.out(n_embd, n_ff),
+        f"blk.{il}.nextn.eh_proj.weight": np.concatenate([eye, mix * eye], axis=1),  # ggml {2 n_embd, n_embd}
+        f"blk.{il}.nextn.enorm.weight": _ones(n_embd),
+        f"blk.{il}.nextn.hnorm.weight": _ones(n_embd),
+        f"blk.{il}.nextn.shared_head_norm.weight": _ones(n_embd),
+        _SHARED_HEAD.format(il): head,
+    }
+
+
 def write_model(
     path: str | os.PathLike,
     arch: str,
@@ -437,6 +482,8 @@ def write_model(
     n_tokens: int = 2048,
     attn_every: int = 2,
     dtype: str = "q8_0",
+    mtp: bool = False,
+    mtp_mix: float = MTP_MIX,
 ) -> Path:
     """Write a tiny `arch` GGUF model to `path` and return the path.
 
@@ -446,6 +493,8 @@ def write_model(
         (layer attn_every-1, 2*attn_every-1, ...) and conv / DeltaNet layers elsewhere: n_layer >= attn_every.
     cycle, n_tokens: the successor map (see successor_map).
     dtype: of token_embd and output, the two vocabulary-sized matrices ("q8_0", "f16" or "f32"); the rest is f32.
+    mtp: (qwen35 only) append one NextN/MTP block (`nextn_predict_layers` = 1), see _mtp_tensors.
+    mtp_mix: the weight of the hidden-state path in the MTP block (see _mtp_tensors).
     """
     import gguf
 
@@ -458,8 +507,13 @@ def write_model(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}")
 
+    if mtp and arch != "qwen35":
+        raise ValueError("MTP layers are written for qwen35 only")
     path = Path(path)
     kv, dims = _arch_params(arch, n_embd, n_layer, attn_every)
+    if mtp:
+        kv["block_count"] = n_layer + 1  # the trunk, then the NextN block (hparams.n_layer_all)
+        kv["nextn_predict_layers"] = 1
 
     tensors: dict[str, np.ndarray] = {"token_embd.weight": np.asarray(_embeddings(seed, n_embd))}
     scale = context * _context_unit(n_embd, n_layer)
@@ -468,6 +522,8 @@ def write_model(
     # lfm2 stores its final norm as "token_embd_norm" (LLM_TENSOR_OUTPUT_NORM_LFM2)
     tensors["token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"] = _ones(n_embd)
     tensors["output.weight"] = _head(seed, n_embd, cycle, n_tokens)
+    if mtp:
+        tensors.update(_mtp_tensors(n_layer, seed, n_embd, dims, cycle, n_tokens, mtp_mix))
 
     writer = gguf.GGUFWriter(str(path), arch)  # writes general.architecture
     writer.add_string("general.name", f"tiny-{arch}")
@@ -489,7 +545,7 @@ def write_model(
 
     big = gguf.GGMLQuantizationType(_DTYPES[dtype])
     for name, data in tensors.items():
-        if name in ("token_embd.weight", "output.weight") and dtype != "f32":
+        if name in ("token_embd.weight", "output.weight", _SHARED_HEAD.format(n_layer)) and dtype != "f32":
             writer.add_tensor(name, gguf.quants.quantize(data, big), raw_dtype=big)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
