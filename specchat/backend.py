@@ -183,6 +183,18 @@ def gguf_arch(path: Path) -> str | None:
 
 def gguf_header(path: Path) -> tuple[str | None, int | None]:
     """(architecture, trained context length) from a GGUF header, without loading anything."""
+    arch, values = gguf_values(path)
+    return arch, values.get("context_length")
+
+
+def gguf_nextn_layers(path: Path) -> int:
+    """How many MTP / NextN layers the file's model carries (`<arch>.nextn_predict_layers`, what
+    llama_model_n_layer_nextn reports once loaded); 0 when none or unreadable."""
+    return int(gguf_values(path)[1].get("nextn_predict_layers", 0))
+
+
+def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
+    """(architecture, the integer `<arch>.*` keys) from a GGUF header, without loading anything."""
     import struct
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
@@ -220,14 +232,15 @@ def gguf_header(path: Path) -> tuple[str | None, int | None]:
                 key, kind = string(), read("I")
                 if key == b"general.architecture" and kind == 8:
                     arch = string()
-                elif key.endswith(b".context_length") and kind in ints:
+                elif kind in ints and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
                     values[key] = read(ints[kind])
                 else:
                     skip(kind)
             name = arch.decode("utf-8", "replace") if arch else None
-            return name, values.get((arch or b"") + b".context_length")
+            prefix = (arch or b"") + b"."
+            return name, {k[len(prefix):].decode(): v for k, v in values.items() if k.startswith(prefix)}
     except (OSError, ValueError, struct.error):
-        return None, None
+        return None, {}
 
 
 def default_gpu_layers() -> int:

@@ -211,6 +211,7 @@ def cost_cache_key(backend: Backend) -> str:
     except OSError:
         ident = str(path)
     ident += f"|threads={backend.n_threads}|ngl={backend.n_gpu_layers}"
+    ident += getattr(backend, "cost_tag", "")  # a drafting head on the target's own file ("|mtp")
     if backend.rpc:
         # layers on RPC workers cost round trips: calibrated per endpoint set
         ident += "|rpc=" + ",".join(sorted(backend.rpc))
@@ -717,6 +718,7 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
 # the policy for each kind of drafter; any other (a test's scripted drafter) is treated as a model
 POLICIES: dict[str, type[AdaptivePolicy]] = {
     "draft-model": DraftModelPolicy, "prompt-lookup": LookupPolicy, "hybrid": HybridPolicy,
+    "mtp": DraftModelPolicy,  # a head's tokens cost time like a draft model's: learned per drafted token
 }
 
 
@@ -734,7 +736,7 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bo
     drafter = loaded.drafter
     draft_cost = None
     drafter_id = drafter.kind
-    if drafter.kind in ("draft-model", "hybrid"):
+    if drafter.kind in ("draft-model", "hybrid", "mtp"):
         draft_cost = cached_cost_model(drafter.backend, cache_file)
         drafter_id += ":" + cost_cache_key(drafter.backend)
     store = None
