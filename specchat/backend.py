@@ -194,7 +194,8 @@ def gguf_nextn_layers(path: Path) -> int:
 
 
 def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
-    """(architecture, the integer `<arch>.*` keys) from a GGUF header, without loading anything."""
+    """(architecture, the integer `<arch>.*` keys, and an EAGLE-3 head's `target_layers` as a tuple) from a
+    GGUF header, without loading anything."""
     import struct
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
@@ -234,6 +235,13 @@ def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
                     arch = string()
                 elif kind in ints and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
                     values[key] = read(ints[kind])
+                elif kind == 9 and key.endswith(b".target_layers"):  # an EAGLE-3 head's layer ids
+                    inner, count = read("I"), read("Q")
+                    if inner not in ints:
+                        f.seek(-12, 1)
+                        skip(kind)
+                        continue
+                    values[key] = tuple(read(ints[inner]) for _ in range(count))
                 else:
                     skip(kind)
             name = arch.decode("utf-8", "replace") if arch else None
@@ -303,6 +311,10 @@ _NEXTN_SYMBOLS = {
     "set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
     "get_embeddings_nextn": "_Z26llama_get_embeddings_nextnP13llama_context",
     "get_embeddings_nextn_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+    "set_embeddings_layer_inp": "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+    "get_embeddings_layer_inp": "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+    "model_target_layer_ids": "_Z28llama_model_target_layer_idsPK11llama_model",
+    "model_target_layer_ids_n": "_Z30llama_model_target_layer_ids_nPK11llama_model",
 }
 
 
@@ -319,6 +331,25 @@ class NextnAPI:
         f = getattr(lib, _NEXTN_SYMBOLS["get_embeddings_nextn_ith"])
         f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
         self.get_embeddings_nextn_ith = f
+        # EAGLE-3: the target's layer inputs, and which layers a head reads
+        f = getattr(lib, _NEXTN_SYMBOLS["set_embeddings_layer_inp"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+        self.set_embeddings_layer_inp = f
+        f = getattr(lib, _NEXTN_SYMBOLS["get_embeddings_layer_inp"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+        self.get_embeddings_layer_inp = f
+        f = getattr(lib, _NEXTN_SYMBOLS["model_target_layer_ids"])
+        f.argtypes, f.restype = [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)
+        self._layer_ids = f
+        f = getattr(lib, _NEXTN_SYMBOLS["model_target_layer_ids_n"])
+        f.argtypes, f.restype = [ctypes.c_void_p], ctypes.c_uint32
+        self._layer_ids_n = f
+
+    def target_layers(self, model) -> tuple[int, ...]:
+        """The target layers an EAGLE-3 head reads (llama_model_target_layer_ids)."""
+        n = self._layer_ids_n(model)
+        ids = self._layer_ids(model)
+        return tuple(int(ids[i]) for i in range(n)) if n else ()
 
 
 _nextn_api: NextnAPI | None = None
@@ -339,7 +370,8 @@ def nextn_api() -> NextnAPI:
         if missing or not has_c_api or not hasattr(low.llama_model_params, "load_mtp"):
             raise BackendError(
                 f"drafting heads need llama-cpp-python >= {HEADS_VERSION} (its libllama exports "
-                f"llama_set_embeddings_nextn and llama_get_embeddings_nextn_ith); installed: {version}: "
+                f"llama_set_embeddings_nextn, llama_get_embeddings_nextn_ith and the EAGLE-3 layer inputs); "
+                f"installed: {version}: "
                 f"pip install 'llama-cpp-python>={HEADS_VERSION}'"
             )
         _nextn_api = NextnAPI(lib)
@@ -501,7 +533,9 @@ class LlamaCppBackend:
         # called after every decode with (position of the batch's first token, its final hidden rows):
         # how an MTP head sees the target's hidden states (see capture_hidden)
         self.hidden_sink = None
+        self._capture_layers: tuple[int, ...] = ()
         self._n_embd_out = llama_cpp.llama_model_n_embd_out(self._model)
+        self._n_embd = llama_cpp.llama_model_n_embd(self._model)
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.n_swa = 0 if swa_full else llama_cpp.llama_model_n_swa(self._model)
@@ -599,14 +633,32 @@ class LlamaCppBackend:
         self._last_batch = len(chunk)
         self.evaluated += len(chunk)
         if self.hidden_sink is not None:
-            ptr = self._nextn.get_embeddings_nextn(self.llm.ctx)
-            self.hidden_sink(n_before, np.ctypeslib.as_array(ptr, shape=(len(chunk), self._n_embd_out)))
+            if self._capture_layers:  # EAGLE-3: the inputs of three layers, side by side per token
+                n, width = len(chunk), self._n_embd
+                rows = np.empty((n, width * len(self._capture_layers)), dtype=np.float32)
+                for k, lid in enumerate(self._capture_layers):
+                    ptr = self._nextn.get_embeddings_layer_inp(self.llm.ctx, lid)
+                    rows[:, k * width : (k + 1) * width] = np.ctypeslib.as_array(ptr, shape=(n, width))
+            else:
+                ptr = self._nextn.get_embeddings_nextn(self.llm.ctx)
+                rows = np.ctypeslib.as_array(ptr, shape=(len(chunk), self._n_embd_out))
+            self.hidden_sink(n_before, rows)
 
     def capture_hidden(self, sink) -> None:
         """Hand every decode's final hidden rows (one per token, as llama.cpp's MTP graph reads them) to
         `sink(p0, rows)`; the rows are llama.cpp's buffer, valid until the next decode."""
         self._nextn = nextn_api()
         self._nextn.set_embeddings_nextn(self.llm.ctx, True, False)  # unmasked: a row for every token
+        self._capture_layers = ()
+        self.hidden_sink = sink
+
+    def capture_layers(self, layers: Sequence[int], sink) -> None:
+        """Hand every decode's inputs of `layers` (one row per token, the layers side by side) to
+        `sink(p0, rows)`: what an EAGLE-3 head reads."""
+        self._nextn = nextn_api()
+        for lid in layers:
+            self._nextn.set_embeddings_layer_inp(self.llm.ctx, lid, True)
+        self._capture_layers = tuple(layers)
         self.hidden_sink = sink
 
     def _copy_rows(self, batch_idx, row_idx, rows: np.ndarray | None = None) -> np.ndarray:
@@ -817,60 +869,52 @@ class LlamaCppBackend:
         self.llm.close()
 
 
-class MtpHead:
-    """The target's own MTP (NextN) layers as a drafting model: a second llama.cpp context of type
-    LLAMA_CONTEXT_TYPE_MTP on the target's weights (`ctx_other` = the target's context), with a KV cache of
-    its own for the MTP block. Every entry is a token AND a hidden row:
-    which row goes with which token is the drafter's business (drafters.HeadDrafter); `eval` takes them
-    paired (`llama_batch_ext_set_embd_token`), returns the logits rows asked for, and keeps the head's own output hidden rows in `hidden`
-    for a chained draft. Backend-shaped, so the policy measures and learns its cost like a draft model's."""
+def _head_context_params(lib, target: LlamaCppBackend, ctx_type: int):
+    params = lib.llama_context_default_params()
+    params.n_ctx = target.n_ctx
+    params.n_batch = params.n_ubatch = target.n_batch
+    params.n_threads = params.n_threads_batch = target.n_threads
+    params.n_seq_max = 1
+    params.ctx_type = ctx_type
+    params.ctx_other = target.llm.ctx  # the target's context: its weights, memory or embeddings
+    params.n_rs_seq = 0
+    params.flash_attn_type = {"auto": -1, "on": 1, "off": 0}[target.flash_attn]
+    return params
 
-    kind = "mtp"
 
-    def __init__(self, target: LlamaCppBackend):
-        lib = target._lib
-        if target.n_layer_nextn <= 0:
-            raise BackendError(
-                f"-md mtp: {target.name} has no MTP layers (llama_model_n_layer_nextn = 0); "
-                "use a draft model or -md prompt-lookup"
-            )
-        if not target.mtp_loaded:
-            raise BackendError(f"-md mtp: {target.name} was loaded without its MTP layers")
-        api = nextn_api()
-        self._lib, self._api, self.target = lib, api, target
-        params = lib.llama_context_default_params()
-        params.n_ctx = target.n_ctx
-        params.n_batch = params.n_ubatch = target.n_batch
-        params.n_threads = params.n_threads_batch = target.n_threads
-        params.n_seq_max = 1
-        params.ctx_type = 1  # LLAMA_CONTEXT_TYPE_MTP
-        params.ctx_other = target.llm.ctx
-        params.n_rs_seq = 0
-        params.flash_attn_type = {"auto": -1, "on": 1, "off": 0}[target.flash_attn]
-        self.ctx = lib.llama_init_from_model(target._model, params)
-        if not self.ctx:
-            raise BackendError(f"llama.cpp could not create the MTP context of {target.name}")
-        api.set_embeddings_nextn(self.ctx, True, True)  # masked: hidden rows only where logits are asked
+class HeadBackend:
+    """A drafting head: a llama.cpp context whose every entry is a token AND a hidden row. Which row goes
+    with which token is the drafter's business (drafters.HeadDrafter); `eval` takes them paired
+    (`llama_batch_ext_set_embd_token`), returns the logits rows asked for, and keeps the head's own output
+    hidden rows in `hidden` for a chained draft. Backend-shaped, so the policy measures and learns its cost
+    like a draft model's. Subclasses: MtpHead, Eagle3Head."""
+
+    kind = ""
+    # entry i of the head's cache holds context token i + shift (EAGLE-3 keeps no entry for token 0)
+    shift = 0
+
+    def _setup(self, target: LlamaCppBackend, ctx, n_embd: int, name: str, tag: str) -> None:
+        lib = self._lib
+        self.ctx = ctx
+        self._api.set_embeddings_nextn(self.ctx, True, True)  # masked: hidden rows only where logits are asked
         self._mem = lib.llama_get_memory(self.ctx)
         self._batch = lib.llama_batch_ext_init(self.ctx)
-        self.n_embd = lib.llama_model_n_embd_out(target._model)
+        self.target = target
+        self.n_embd = n_embd
         self.n_vocab = target.n_vocab
         self.n_ctx = target.n_ctx
         self.n_batch = target.n_batch
-        self.name = f"{target.name} MTP"
-        self.path = target.path
-        self.cost_tag = "|mtp"  # the head's costs are cached apart from the target's (same file)
+        self.name = name
+        self.cost_tag = tag  # the head's costs are cached apart from the target's
         self.n_threads = target.n_threads
-        self.n_gpu_layers = target.n_gpu_layers
         self.rpc = target.rpc
-        self.memory = MemoryKind("kv", "mtp")
+        self.memory = MemoryKind("kv", self.kind)
         self.tokens: list[int] = []
         self.hidden = np.zeros((0, self.n_embd), dtype=np.float32)
         self.evaluated = 0
         self.rollback_recoveries = 0
         self.reevaluated = 0
         self.rollback_seconds = 0.0
-        self._zeros = np.zeros((1, self.n_embd), dtype=np.float32)
         self._pos = ctypes.c_int32(0)
 
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False,
@@ -974,6 +1018,123 @@ class MtpHead:
             self._lib.llama_batch_ext_free(self._batch)
             self._lib.llama_free(self.ctx)
             self.ctx = None
+
+
+class MtpHead(HeadBackend):
+    """The target's own MTP (NextN) layers: a second context of type LLAMA_CONTEXT_TYPE_MTP on the target's
+    weights (loaded with load_mtp), with a KV cache of its own for the MTP block. It reads the target's
+    final hidden rows (llama_get_embeddings_nextn)."""
+
+    kind = "mtp"
+    shift = 0
+
+    def __init__(self, target: LlamaCppBackend):
+        lib = self._lib = target._lib
+        if target.n_layer_nextn <= 0:
+            raise BackendError(
+                f"-md mtp: {target.name} has no MTP layers (llama_model_n_layer_nextn = 0); "
+                "use a draft model or -md prompt-lookup"
+            )
+        if not target.mtp_loaded:
+            raise BackendError(f"-md mtp: {target.name} was loaded without its MTP layers")
+        self._api = nextn_api()
+        ctx = lib.llama_init_from_model(target._model, _head_context_params(lib, target, 1))  # CONTEXT_TYPE_MTP
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create the MTP context of {target.name}")
+        self._setup(target, ctx, lib.llama_model_n_embd_out(target._model), f"{target.name} MTP", "|mtp")
+        self.path = target.path
+        self.n_gpu_layers = target.n_gpu_layers
+
+    def attach(self, sink) -> None:
+        """Hand the drafter the target's final hidden row of every token it evaluates."""
+        self.target.capture_hidden(sink)
+
+
+class Eagle3Head(HeadBackend):
+    """An EAGLE-3 draft head (llama.cpp's `eagle3` arch): a one-layer decoder trained for one target. Its
+    encoder fuses three of the target's layer inputs (`<arch>.target_layers`) into one row g per token
+    (`fc`, LLAMA_PROCESS_TYPE_ENCODE); its decoder reads (token, g) pairs. The target's token embeddings
+    and LM head are read through `ctx_other` when the head has none of its own."""
+
+    kind = "eagle3"
+    shift = 1  # entry at position P is (token P+1, g_P): token 0 has none
+
+    def __init__(self, target: LlamaCppBackend, path: str | os.PathLike, n_gpu_layers: int | None = None):
+        lib = self._lib = target._lib
+        path = Path(path)
+        check_gguf_file(path)
+        self._api = nextn_api()
+        arch, values = gguf_values(path)
+        if arch != "eagle3":
+            raise BackendError(f"{path.name} is a {arch} model, not an EAGLE-3 head")
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        self._model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise BackendError(f"llama.cpp could not load the EAGLE-3 head {path}")
+        ctx = None
+        try:
+            problem = check_compatible(target.vocab, _vocab_info(lib, lib.llama_model_get_vocab(self._model),
+                                                                 lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)),
+                                                                 lambda t: lib.llama_vocab_get_text(lib.llama_model_get_vocab(self._model), t) or b""))
+            if problem:
+                raise BackendError(f"EAGLE-3 head {path.name} has another vocabulary than {target.name}: {problem}")
+            layers = self._api.target_layers(self._model)
+            n_layer = target.n_layer
+            target_embd = lib.llama_model_n_embd(target._model)
+            trained_embd = values.get("target_hidden_size")
+            if trained_embd != target_embd:
+                raise BackendError(f"EAGLE-3 head {path.name} reads hidden states of width {trained_embd}; "
+                                   f"{target.name}'s are {target_embd}: it was trained for another target")
+            if len(layers) != 3 or not all(0 <= lid < n_layer for lid in layers):
+                raise BackendError(f"EAGLE-3 head {path.name} reads target layers {list(layers)}; {target.name} "
+                                   f"has layers 0..{n_layer - 1}: it was trained for another target")
+            ctx = lib.llama_init_from_model(self._model, _head_context_params(lib, target, 0))
+            if not ctx:
+                raise BackendError(f"llama.cpp could not create a context for the EAGLE-3 head {path.name}")
+        except BaseException:
+            lib.llama_model_free(self._model)
+            raise
+        self.layers = tuple(layers)
+        self.n_embd_enc = 3 * target_embd
+        self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "")
+        self.path = path
+        self.n_gpu_layers = params.n_gpu_layers
+
+    def attach(self, sink) -> None:
+        """Hand the drafter g for every token the target evaluates: its three layer inputs, encoded."""
+        self.target.capture_layers(self.layers, lambda p0, features: sink(p0, self.encode(features)))
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """g rows (n, n_embd) from the target's fused features (n, 3 * target n_embd)."""
+        lib, n = self._lib, len(features)
+        features = np.ascontiguousarray(features, dtype=np.float32)
+        out = np.empty((n, self.n_embd), dtype=np.float32)
+        stride = 4 * self.n_embd_enc
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            lib.llama_batch_ext_clear(self._batch)
+            # the per-token encoder reads no positions, but the batch must continue the memory's (as llama.cpp does)
+            p0 = lib.llama_memory_seq_pos_max(self._mem, 0) + 1
+            for j in range(m):
+                embd = lib.llama_embd(ctypes.cast(features.ctypes.data + (start + j) * stride,
+                                                  ctypes.POINTER(ctypes.c_float)), 1, self.n_embd_enc)
+                idx = lib.llama_batch_ext_add_embd(self._batch, 0, embd)
+                self._pos.value = p0 + j
+                if idx < 0 or not lib.llama_batch_ext_set_pos(self._batch, idx, ctypes.byref(self._pos)):
+                    raise BackendError(f"llama.cpp refused an EAGLE-3 encoder entry ({self.name})")
+                lib.llama_batch_ext_set_output_embd(self._batch, idx, True)
+            rc = lib.llama_process(self.ctx, 0, self._batch)  # LLAMA_PROCESS_TYPE_ENCODE
+            if rc != 0:
+                raise BackendError(f"the EAGLE-3 encoder failed with code {rc} ({self.name})")
+            out[start : start + m] = np.ctypeslib.as_array(self._api.get_embeddings_nextn(self.ctx),
+                                                           shape=(m, self.n_embd))
+        return out
+
+    def close(self) -> None:
+        if self.ctx:
+            super().close()
+            self._lib.llama_model_free(self._model)
 
 
 def _rpc_devices(endpoints: Sequence[str]):

@@ -139,55 +139,67 @@ class HiddenRows:
 
 
 class HeadDrafter:
-    """A drafting head that reads the target's hidden states: the target's own MTP layers (`MtpHead`).
+    """A drafting head that reads the target's hidden states: the target's own MTP layers (`MtpHead`) or an
+    EAGLE-3 head (`Eagle3Head`), paired as llama.cpp pairs them (common/speculative.cpp).
 
-    The pairing is llama.cpp's (common/speculative.cpp, common_speculative_impl_draft_mtp): the head's entry
-    at position j is the token x_j with the target's hidden row h_{j-1} (a zero row at j = 0), and it
-    predicts x_{j+1}. The target's cache holds context[:-1], so every row up to h_{n-2} exists when a draft
-    starts: the head catches up on the entries it lacks, ending with (x_{n-1}, h_{n-2}), whose logits give
-    d1; each further draft token d_i goes in with the head's own output row of the step before. Draft entries
-    are cut after proposing: once verified, the target's rows replace the head's own.
+    MTP (common_speculative_impl_draft_mtp): the head's entry at position j is the token x_j with the
+    target's final hidden row h_{j-1} (a zero row at j = 0), and it predicts x_{j+1}. EAGLE-3
+    (common_speculative_impl_draft_eagle3): its entry at position P is x_{P+1} with g_P, the encoded layer
+    inputs of x_P; token 0 has no entry (`shift` = 1). Both: the token x_j goes with the row of x_{j-1}.
+    The target's cache holds context[:-1], so every row up to that of x_{n-2} exists when a draft starts:
+    the head catches up on the entries it lacks, ending with x_{n-1}'s (llama.cpp's deferred boundary,
+    completed once the token after the verify is known), whose logits give d1; each further draft token
+    goes in with the head's own output row of the step before. Draft entries are cut after proposing: once
+    verified, the target's rows replace the head's own.
 
-    `pair_offset` (tests only) pairs x_j with h_{j-1-pair_offset}: a wrong pairing, which the tiny MTP model
-    punishes with a collapse in acceptance."""
-
-    kind = "mtp"
+    `pair_offset` (tests only) pairs x_j with the row of x_{j-1-pair_offset}: a wrong pairing, which the tiny
+    heads punish with a collapse in acceptance."""
 
     def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0, pair_offset: int = 0):
         self.head = head
+        self.kind = getattr(head, "kind", "mtp") or "mtp"  # the policy: "mtp" / "eagle3", both like a draft model
         self.backend = head  # the KV cache a caller resets, the cost a policy measures
         self.p_min = p_min
         self.draft_min = draft_min
         self.pair_offset = pair_offset
+        self.shift = getattr(head, "shift", 0)
         self.hidden = HiddenRows(head.n_embd)
-        target.capture_hidden(self.hidden.put)
+        if hasattr(head, "attach"):
+            head.attach(self.hidden.put)
+        else:
+            target.capture_hidden(self.hidden.put)
 
     def room(self) -> int:
-        return self.head.n_ctx
+        return self.head.n_ctx + self.shift
 
     def _catch_up(self, context: Sequence[int], end: int, logits: bool) -> np.ndarray | None:
-        """Make the head hold the entries of positions 0..end-1 of `context`, evaluating only what differs
-        from what it holds; with `logits`, the last entry is evaluated (again) for its row."""
+        """Make the head hold the entries of context tokens shift..end-1, evaluating only what differs from
+        what it holds; with `logits`, the last entry is evaluated (again), alone, for its row."""
+        seq = list(context[self.shift : end])
+        if not seq:
+            return None
         held = self.head.tokens
-        common = 0
-        limit = min(len(held), end)
-        if held[:limit] == list(context[:limit]):
+        limit = min(len(held), len(seq))
+        if held[:limit] == seq[:limit]:
             common = limit
         else:
-            while held[common] == context[common]:
+            common = 0
+            while held[common] == seq[common]:
                 common += 1
-        if logits and common == end:
+        if logits and common == len(seq):
             common -= 1
         self.head.truncate(common)
-        if common >= end:
+        if common >= len(seq):
             return None
-        states = self.hidden.states(range(common - 1 - self.pair_offset, end - 1 - self.pair_offset))
+        # entry i holds context token i + shift, paired with the row of the token before it
+        first = common + self.shift - 1 - self.pair_offset
+        states = self.hidden.states(range(first, first + len(seq) - common))
         if not logits:
-            self.head.eval(list(context[common:end]), [], states=states)
+            self.head.eval(seq[common:], [], states=states)
             return None
-        if end - common > 1:  # the entries before the last, then the last alone: its hidden row comes back
-            self.head.eval(list(context[common : end - 1]), [], states=states[:-1])
-        return self.head.eval([context[end - 1]], [0], states=states[-1:])[0]
+        if len(seq) - common > 1:  # the entries before the last, then the last alone: its hidden row comes back
+            self.head.eval(seq[common:-1], [], states=states[:-1])
+        return self.head.eval([seq[-1]], [0], states=states[-1:])[0]
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         if 1 < len(prompt_ids) < self.head.n_ctx:
@@ -195,11 +207,11 @@ class HeadDrafter:
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         n = len(context)
-        k = min(k, self.head.n_ctx - n)
-        if k <= 0:
+        k = min(k, self.head.n_ctx - (n - self.shift))
+        if k <= 0 or n <= self.shift:
             return Draft()
         row = self._catch_up(context, n, logits=True)
-        draft = Draft(source="mtp")
+        draft = Draft(source=self.kind)
         history = list(context) if params.has_penalty else ()
         confidence = 1.0
         try:
@@ -215,7 +227,7 @@ class HeadDrafter:
                 if i < k - 1:
                     row = self.head.eval([token], [0], states=self.head.hidden)[0]
         finally:
-            self.head.truncate(n)  # the draft entries carry the head's own rows, not the target's
+            self.head.truncate(n - self.shift)  # the draft entries carry the head's own rows, not the target's
         if len(draft.tokens) < self.draft_min:
             return Draft()
         draft.confidence = confidence

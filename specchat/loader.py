@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .backend import MAX_SNAPSHOTS, Backend, BackendError, LlamaCppBackend, MtpHead
+from .backend import MAX_SNAPSHOTS, Backend, BackendError, Eagle3Head, LlamaCppBackend, MtpHead, gguf_arch
 from .config import MTP, PROMPT_LOOKUP, Config, ModelSpec
 from .drafters import DraftModel, Drafter, HeadDrafter, HybridDrafter, IncompatibleDraft, PromptLookup
 from .sources import resolve
@@ -85,10 +85,11 @@ class Selection:
     draft: str | None  # model ref, PROMPT_LOOKUP, or None (no speculation)
     rpc: tuple[str, ...] = ()  # the pair's `rpc` workers, when the pair picked the target
     hybrid: bool = False  # prompt lookup first, the draft model when lookup has nothing better
+    eagle3: bool = False  # --spec-type draft-eagle3: the draft must be an EAGLE-3 head
 
 
 def select(config: Config, *, pair: str | None, target: str | None, draft: str | None, no_spec: bool,
-           hybrid: bool | None = None) -> Selection:
+           hybrid: bool | None = None, eagle3: bool = False) -> Selection:
     """--pair picks both; -m / -md override either part. -m alone drafts with prompt lookup, which needs
     no second model; --no-spec drops the drafter. --hybrid / --no-hybrid override a pair's `lookup`."""
     rpc: tuple[str, ...] = ()
@@ -101,7 +102,8 @@ def select(config: Config, *, pair: str | None, target: str | None, draft: str |
         pair_hybrid = chosen.lookup
     draft = draft or PROMPT_LOOKUP
     use_hybrid = (pair_hybrid if hybrid is None else hybrid) and draft != PROMPT_LOOKUP
-    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc, hybrid=use_hybrid and not no_spec)
+    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc, hybrid=use_hybrid and not no_spec,
+                     eagle3=eagle3)
 
 
 def load(
@@ -146,6 +148,21 @@ def load(
         draft_spec = config.model(selection.draft)
         status(f"locating draft {draft_spec.name}")
         draft_path = resolve(draft_spec)
+        if gguf_arch(draft_path) == "eagle3":  # a head trained for this target: it reads the target's layers
+            status(f"loading EAGLE-3 head {draft_spec.name}")
+            eagle = Eagle3Head(target, draft_path, n_gpu_layers=opts.n_gpu_layers_draft)
+            try:
+                head = HeadDrafter(eagle, target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
+            except BaseException:
+                eagle.close()
+                raise
+            if selection.hybrid:
+                return Loaded(target, HybridDrafter(lookup, head), target_spec, draft_spec,
+                              f"{PROMPT_LOOKUP} + {draft_spec.name}")
+            return Loaded(target, head, target_spec, draft_spec, draft_spec.name)
+        if selection.eagle3:
+            raise BackendError(f"--spec-type draft-eagle3: {draft_spec.name} is a {gguf_arch(draft_path)} model, "
+                               "not an EAGLE-3 head")
         status(f"loading draft {draft_spec.name}")
         draft_backend = LlamaCppBackend(
             draft_path,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from .backend import BackendError, arch_memory, check_compatible, gguf_arch, gguf_nextn_layers, read_vocab
+from .backend import BackendError, arch_memory, check_compatible, gguf_arch, gguf_nextn_layers, gguf_values, read_vocab
 from .config import MTP, PROMPT_LOOKUP, Config, ConfigError
 from .crossvocab import file_vocab_map, vocabulary_note
 from .sources import SourceError, describe, is_present, resolve
@@ -49,8 +49,11 @@ def _memory(spec) -> str:
         return "[dim]?[/]"
     if arch is None:
         return "[dim]?[/]"
-    if arch == "eagle3":
-        return "eagle3 · an EAGLE-3 draft head (-md it with its target)"
+    if arch == "eagle3":  # what it was trained for: a target of this width, these layers read
+        values = gguf_values(path)[1]
+        layers = ", ".join(str(x) for x in values.get("target_layers", ())) or "?"
+        return escape(f"eagle3 · EAGLE-3 head for a target of width {values.get('target_hidden_size', '?')}, "
+                      f"reading its layers {layers} (-md it with that target)")
     text = f"{arch} · {MEMORY_WORDS[arch_memory(arch)]}"
     nextn = gguf_nextn_layers(path)
     if nextn:  # the model drafts for itself: -md mtp

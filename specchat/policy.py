@@ -718,7 +718,8 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
 # the policy for each kind of drafter; any other (a test's scripted drafter) is treated as a model
 POLICIES: dict[str, type[AdaptivePolicy]] = {
     "draft-model": DraftModelPolicy, "prompt-lookup": LookupPolicy, "hybrid": HybridPolicy,
-    "mtp": DraftModelPolicy,  # a head's tokens cost time like a draft model's: learned per drafted token
+    # a head's tokens cost time like a draft model's: learned per drafted token
+    "mtp": DraftModelPolicy, "eagle3": DraftModelPolicy,
 }
 
 
@@ -736,7 +737,7 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bo
     drafter = loaded.drafter
     draft_cost = None
     drafter_id = drafter.kind
-    if drafter.kind in ("draft-model", "hybrid", "mtp"):
+    if drafter.kind in ("draft-model", "hybrid", "mtp", "eagle3"):
         draft_cost = cached_cost_model(drafter.backend, cache_file)
         drafter_id += ":" + cost_cache_key(drafter.backend)
     store = None

@@ -96,7 +96,8 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
     )
     selection = select(config, pair=args.pair, target=args.target, draft=spec_type_draft(args.spec_type, args.draft),
-                       no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid)
+                       no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid,
+                       eagle3=(args.spec_type or "").strip().lower() == "draft-eagle3")
     if args.hybrid and selection.draft == PROMPT_LOOKUP:
         raise UserError("--hybrid needs a draft model (-md MODEL or a pair with one) to fall back on")
     load_opts = LoadOptions(

@@ -127,7 +127,7 @@ def _pct(x: float | None) -> str:
 
 
 SOURCE_NAMES = {"prompt-lookup": "lookup", "history": "lookup: earlier replies", "draft-model": "draft model",
-                "mtp": "MTP head"}
+                "mtp": "MTP head", "eagle3": "EAGLE-3 head"}
 
 
 def footer(totals: RunStats | None, last: StepStats | None, *, label: str = "") -> Text:

@@ -15,7 +15,7 @@ import tiny_models
 from fakes import ALPHA, FakeBackend, chi2_pvalue
 
 from specchat import Conversation
-from specchat.backend import BackendError, LlamaCppBackend, MemoryKind, MtpHead
+from specchat.backend import BackendError, Eagle3Head, LlamaCppBackend, MemoryKind, MtpHead
 from specchat.drafters import HeadDrafter
 from specchat.engine import Finished, StepEvent, TokenEvent, generate
 from specchat.policy import POLICIES, DraftModelPolicy, FixedPolicy
@@ -217,6 +217,23 @@ def mtp_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def eagle_files(tmp_path_factory):
+    """(a 4-layer llama target, its EAGLE-3 head, a quieter target for the pairing test, heads that do not fit)."""
+    directory = tmp_path_factory.mktemp("tiny-eagle3")
+    layers = tiny_models.EAGLE3_TARGET_LAYERS
+    target = tiny_models.write_model(directory / "llama4.gguf", "llama", context=tiny_models.TARGET_CONTEXT["llama"],
+                                     n_layer=layers)
+    quiet = tiny_models.write_model(directory / "llama4-0.8.gguf", "llama", context=0.8, n_layer=layers)
+    head = tiny_models.write_eagle3(directory / "eagle3.gguf")
+    misfits = {
+        "vocabulary": tiny_models.write_eagle3(directory / "eagle3-vocab.gguf", other_vocab=True),
+        "width": tiny_models.write_eagle3(directory / "eagle3-wide.gguf", target_n_embd=128),
+        "layers": tiny_models.write_eagle3(directory / "eagle3-layers.gguf", layers=(1, 2, 7)),
+    }
+    return target, head, quiet, misfits
+
+
+@pytest.fixture(scope="module")
 def quiet_mtp_file(tmp_path_factory):
     """A target whose context moves fewer argmaxes (context 0.6): the head's drafts are nearly all accepted."""
     return tiny_models.write_model(tmp_path_factory.mktemp("tiny-mtp-quiet") / "qwen35-mtp-0.6.gguf", "qwen35",
@@ -231,16 +248,29 @@ def prompt(n: int = 20) -> list[int]:
     return tiny_models.bigram_chain(int(tiny_models.cycle_tokens()[0]), n)
 
 
-def mtp_run(path, k: int, n: int = N, pair_offset: int = 0, ids=None):
-    target = backend(path, mtp=True)
-    head = MtpHead(target)
-    drafter = HeadDrafter(head, target, pair_offset=pair_offset)
+def load_head(kind: str, path, head_path=None, pair_offset: int = 0):
+    """(target, head, drafter) for "mtp" (the target's own layers) or "eagle3" (head_path)."""
+    if kind == "mtp":
+        target = backend(path, mtp=True)
+        head = MtpHead(target)
+    else:
+        target = backend(path)
+        head = Eagle3Head(target, head_path)
+    return target, head, HeadDrafter(head, target, pair_offset=pair_offset)
+
+
+def head_run(kind: str, path, k: int, n: int = N, pair_offset: int = 0, head_path=None):
+    target, head, drafter = load_head(kind, path, head_path, pair_offset)
     try:
-        finished = list(generate(target, drafter, ids or prompt(), GREEDY, max_tokens=n, policy=FixedPolicy(k)))[-1]
+        finished = list(generate(target, drafter, prompt(), GREEDY, max_tokens=n, policy=FixedPolicy(k)))[-1]
         return finished, target.memory, target.rollback_recoveries
     finally:
         head.close()
         target.close()
+
+
+def mtp_run(path, k: int, n: int = N, pair_offset: int = 0):
+    return head_run("mtp", path, k, n, pair_offset)
 
 
 def teacher_forced_gaps(path, prompt_ids, generated) -> np.ndarray:
@@ -282,12 +312,53 @@ def test_mtp_wrong_pairing_collapses_acceptance(quiet_mtp_file):
         assert wrong.accepted / wrong.drafted < most * rate, (offset, wrong.accepted, wrong.drafted, rate)
 
 
-def test_mtp_chat_turns_evaluate_only_new_tokens_in_both_contexts(mtp_files):
-    """A two-turn chat with -md mtp: turn two's prompt repeats turn one's conversation; the target evaluates
-    only the new tokens and the head catches up on only those (plus the last step's few) before drafting."""
-    path, _ = mtp_files
-    target = backend(path, mtp=True)
-    head = MtpHead(target)
+@pytest.mark.parametrize("k", [1, 3])
+def test_eagle3_greedy_is_the_targets_argmax(eagle_files, k):
+    """An EAGLE-3 head on a dense llama target, forced k over 240 tokens: every emitted token is the target's
+    argmax, nothing re-read, most drafts accepted."""
+    path, head_path, _, _ = eagle_files
+    finished, memory, recoveries = head_run("eagle3", path, k, head_path=head_path)
+    assert len(finished.token_ids) == N and memory.kind == "kv"
+    stats = finished.stats
+    assert stats.rollback_recoveries == 0 and recoveries == 0
+    assert stats.drafted > 50 and 0 < stats.accepted < stats.drafted
+    assert stats.accepted / stats.drafted > 0.5, (stats.accepted, stats.drafted)
+    gaps = teacher_forced_gaps(path, prompt(), finished.token_ids)
+    assert gaps.max() < 0.05, (int(gaps.argmax()), float(gaps.max()))
+
+
+def test_eagle3_wrong_pairing_collapses_acceptance(eagle_files):
+    """g_P must go with x_{P+1} (the deferred boundary): g of the token before, or of x_{P+1} itself, and the
+    tiny head's top choice becomes a tie, acceptance collapses."""
+    _, head_path, quiet, _ = eagle_files
+    right = head_run("eagle3", quiet, 3, n=120, head_path=head_path)[0].stats
+    rate = right.accepted / right.drafted
+    assert rate > 0.9, (right.accepted, right.drafted)
+    for offset, most in ((1, 0.6), (-1, 0.2)):
+        wrong = head_run("eagle3", quiet, 3, n=120, pair_offset=offset, head_path=head_path)[0].stats
+        assert wrong.accepted / wrong.drafted < most * rate, (offset, wrong.accepted, wrong.drafted, rate)
+
+
+@pytest.mark.parametrize("misfit, needle", [
+    ("vocabulary", "another vocabulary"), ("width", "hidden states of width 128"), ("layers", "target layers [1, 2, 7]"),
+])
+def test_eagle3_head_that_does_not_fit_is_a_clear_error(eagle_files, misfit, needle):
+    path, _, _, misfits = eagle_files
+    target = backend(path)
+    try:
+        with pytest.raises(BackendError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            Eagle3Head(target, misfits[misfit])
+    finally:
+        target.close()
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_chat_turns_evaluate_only_new_tokens_in_both_contexts(mtp_files, eagle_files, kind):
+    """A two-turn chat with -md mtp (and with an EAGLE-3 head): turn two's prompt repeats turn one's
+    conversation; the target evaluates only the new tokens and the head catches up on only those (plus the
+    last step's few) before drafting."""
+    path, head_path = (mtp_files[0], None) if kind == "mtp" else eagle_files[:2]
+    target, head, drafter = load_head(kind, path, head_path)
     try:
         calls: list[tuple[int, int]] = []  # (entries the head held, entries evaluated) per eval
         original = head.eval
@@ -297,7 +368,7 @@ def test_mtp_chat_turns_evaluate_only_new_tokens_in_both_contexts(mtp_files):
             return original(tokens, logits_at, **kw)
 
         head.eval = eval_
-        chat = Conversation(target, HeadDrafter(head, target), params=GREEDY, max_tokens=40, policy=FixedPolicy(3))
+        chat = Conversation(target, drafter, params=GREEDY, max_tokens=40, policy=FixedPolicy(3))
         first = list(chat.send(" house garden river"))[-1]
         assert isinstance(first, Finished) and first.stats.drafted > 0
         held = list(chat.ids)
@@ -312,6 +383,36 @@ def test_mtp_chat_turns_evaluate_only_new_tokens_in_both_contexts(mtp_files):
         assert kept >= len(held) - 4 and evaluated <= new + 4, (kept, evaluated, new, len(held))
         assert min(k for k, _ in calls) >= len(held) - 4  # never re-read from the start
         assert target.rollback_recoveries == 0
+    finally:
+        head.close()
+        target.close()
+
+
+def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_path, monkeypatch):
+    """make_policy measures the head (cached apart from the target: same file, another cost) and the
+    draft-model policy learns its per-token cost from the steps."""
+    from specchat.loader import Loaded
+    from specchat.policy import cost_cache_key, make_policy
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    path, _ = mtp_files
+    target = backend(path, mtp=True)
+    head = MtpHead(target)
+    try:
+        drafter = HeadDrafter(head, target)
+        loaded = Loaded(target, drafter, None, None, "mtp")
+        policy = make_policy(loaded, 4, None, remember=False)
+        assert isinstance(policy, DraftModelPolicy) and policy.draft_cost is not None
+        assert cost_cache_key(head) != cost_cache_key(target)
+        from specchat.stats import StepStats
+
+        before = policy.draft_cost.scale
+        per_token = policy.draft_cost.costs(1)[1]
+        # a step whose 3 drafted tokens took 3x what the calibration says: the per-token cost goes up
+        step = StepStats(step=0, drafted=3, accepted=2, emitted=3, decided=3, draft_seconds=9 * per_token,
+                         verify_seconds=0.001, planned=3, source="mtp")
+        policy.observe(step, [1, 2, 3], [1, 2, 4])
+        assert policy.draft_cost.scale > before
     finally:
         head.close()
         target.close()
@@ -343,7 +444,8 @@ def assert_user_error(result, *needles: str):
 
 def test_cli_mtp_runs(cli, mtp_files, tmp_path):
     path, _ = mtp_files
-    result = cli("prompt", " house", "-m", str(path), "-md", "mtp", "--temp", "0", "-n", "24", "--json", home=tmp_path)
+    result = cli("prompt", " house", "-m", str(path), "-md", "mtp", "--temp", "0", "-n", "24", "--json",
+                 "--draft-fixed", "3", home=tmp_path)
     assert result.returncode == 0, result.stderr
     import json
 
@@ -357,6 +459,32 @@ def test_cli_spec_type_draft_mtp_is_md_mtp(cli, mtp_files, tmp_path):
                  "--json", "--draft-fixed", "2", home=tmp_path)
     assert result.returncode == 0, result.stderr
     assert '"drafted"' in result.stdout
+
+
+def test_cli_eagle3_head_runs(cli, eagle_files, tmp_path):
+    path, head_path, _, _ = eagle_files
+    for extra in ((), ("--spec-type", "draft-eagle3")):
+        result = cli("prompt", " house", "-m", str(path), "-md", str(head_path), *extra, "--temp", "0", "-n", "24",
+                     "--json", "--draft-fixed", "3", home=tmp_path)
+        assert result.returncode == 0, result.stderr
+        import json
+
+        stats = json.loads(result.stdout)["stats"]
+        assert stats["drafted"] > 0 and stats["accepted"] > 0
+
+
+@pytest.mark.parametrize("misfit, needle", [
+    ("vocabulary", "another vocabulary"), ("width", "trained for another target"), ("layers", "has layers 0..3"),
+])
+def test_cli_eagle3_head_that_does_not_fit(cli, eagle_files, tmp_path, misfit, needle):
+    path, _, _, misfits = eagle_files
+    assert_user_error(cli("prompt", " house", "-m", str(path), "-md", str(misfits[misfit]), home=tmp_path), needle)
+
+
+def test_cli_spec_type_eagle3_with_a_draft_model(cli, eagle_files, tmp_path):
+    path, _, quiet, _ = eagle_files
+    assert_user_error(cli("prompt", " house", "-m", str(path), "-md", str(quiet), "--spec-type", "draft-eagle3",
+                          home=tmp_path), "not an EAGLE-3 head")
 
 
 def test_cli_mtp_without_mtp_layers(cli, mtp_files, tmp_path):
@@ -388,11 +516,12 @@ def test_cli_a_llama_cpp_python_without_the_staging_api(cli, mtp_files, tmp_path
                       "llama-cpp-python >= 0.3.36", "llama_set_embeddings_nextn")
 
 
-def test_models_shows_mtp_layers_and_pairs_may_name_mtp(cli, mtp_files, tmp_path):
+def test_models_shows_mtp_layers_and_pairs_may_name_mtp(cli, mtp_files, eagle_files, tmp_path):
     path, plain = mtp_files
     config = tmp_path / "models.toml"
     config.write_text(
         f'[models.tiny-mtp]\npath = "{path}"\n[models.tiny]\npath = "{plain}"\n'
+        f'[models.tiny-eagle3]\npath = "{eagle_files[1]}"\n'
         '[pairs.self]\ntarget = "tiny-mtp"\ndraft = "mtp"\n'
     )
     result = cli("models", home=tmp_path, env={"SPECCHAT_CONFIG": str(config), "COLUMNS": "400"})
@@ -401,6 +530,8 @@ def test_models_shows_mtp_layers_and_pairs_may_name_mtp(cli, mtp_files, tmp_path
     assert "MTP" in row
     plain_row = next(line for line in result.stdout.splitlines() if "│ tiny " in line)
     assert "MTP" not in plain_row
+    eagle_row = next(line for line in result.stdout.splitlines() if "tiny-eagle3" in line)
+    assert "EAGLE-3 head for a target of width 64, reading its layers 1, 2, 3" in eagle_row
     run = cli("prompt", " house", "--pair", "self", "--temp", "0", "-n", "8", "--json", home=tmp_path,
               env={"SPECCHAT_CONFIG": str(config)})
     assert run.returncode == 0, run.stderr
