@@ -1042,6 +1042,7 @@ class MtpHead(HeadBackend):
         if not ctx:
             raise BackendError(f"llama.cpp could not create the MTP context of {target.name}")
         self._setup(target, ctx, lib.llama_model_n_embd_out(target._model), f"{target.name} MTP", "|mtp")
+        self.n_embd_in = self.n_embd  # it reads the target's final hidden rows as they are
         self.path = target.path
         self.n_gpu_layers = target.n_gpu_layers
 
@@ -1096,14 +1097,15 @@ class Eagle3Head(HeadBackend):
             lib.llama_model_free(self._model)
             raise
         self.layers = tuple(layers)
-        self.n_embd_enc = 3 * target_embd
+        self.n_embd_enc = self.n_embd_in = 3 * target_embd
         self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "")
         self.path = path
         self.n_gpu_layers = params.n_gpu_layers
 
     def attach(self, sink) -> None:
-        """Hand the drafter g for every token the target evaluates: its three layer inputs, encoded."""
-        self.target.capture_layers(self.layers, lambda p0, features: sink(p0, self.encode(features)))
+        """Hand the drafter the three layer inputs of every token the target evaluates (`n_embd_in` wide);
+        the drafter encodes only the rows it pairs (`encode`), so a run without drafts pays a copy only."""
+        self.target.capture_layers(self.layers, sink)
 
     def encode(self, features: np.ndarray) -> np.ndarray:
         """g rows (n, n_embd) from the target's fused features (n, 3 * target n_embd)."""

@@ -163,7 +163,9 @@ class HeadDrafter:
         self.draft_min = draft_min
         self.pair_offset = pair_offset
         self.shift = getattr(head, "shift", 0)
-        self.hidden = HiddenRows(head.n_embd)
+        # what the target hands over per token (an EAGLE-3 head's encoder turns it into the rows it pairs)
+        self.hidden = HiddenRows(getattr(head, "n_embd_in", head.n_embd))
+        self._encode = getattr(head, "encode", None)
         if hasattr(head, "attach"):
             head.attach(self.hidden.put)
         else:
@@ -194,6 +196,8 @@ class HeadDrafter:
         # entry i holds context token i + shift, paired with the row of the token before it
         first = common + self.shift - 1 - self.pair_offset
         states = self.hidden.states(range(first, first + len(seq) - common))
+        if self._encode is not None:
+            states = self._encode(states)
         if not logits:
             self.head.eval(seq[common:], [], states=states)
             return None
