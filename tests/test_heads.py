@@ -453,6 +453,20 @@ def test_cli_mtp_runs(cli, mtp_files, tmp_path):
     assert record["stats"]["drafted"] > 0 and record["stats"]["rollback_recoveries"] == 0
 
 
+def test_cli_hybrid_lookup_and_mtp(cli, mtp_files, tmp_path):
+    """--hybrid: prompt lookup where the context repeats, the MTP head elsewhere, per step."""
+    import json
+
+    path, _ = mtp_files
+    text = " " + " ".join(["house garden river"] * 3)
+    result = cli("prompt", text, "-m", str(path), "-md", "mtp", "--hybrid", "--draft-fixed", "3", "--temp", "0",
+                 "-n", "40", "--json", home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["drafter"] == "prompt-lookup + mtp"
+    assert record["stats"]["drafted_by"].get("mtp", 0) > 0
+
+
 def test_cli_spec_type_draft_mtp_is_md_mtp(cli, mtp_files, tmp_path):
     path, _ = mtp_files
     result = cli("prompt", " house", "-m", str(path), "--spec-type", "draft-mtp", "--temp", "0", "-n", "8",
