@@ -924,7 +924,7 @@ class HeadBackend:
         hidden rows there are left in `self.hidden`."""
         lib, n = self._lib, len(tokens)
         if len(self.tokens) + n > self.n_ctx:
-            raise BackendError(f"context full: the MTP head holds {len(self.tokens)} + {n} tokens > -c {self.n_ctx}")
+            raise BackendError(f"context full: {self.name} holds {len(self.tokens)} + {n} tokens > -c {self.n_ctx}")
         if states is None:
             states = np.zeros((n, self.n_embd), dtype=np.float32)
         states = np.ascontiguousarray(states, dtype=np.float32)
