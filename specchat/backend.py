@@ -917,6 +917,13 @@ class HeadBackend:
         self.rollback_seconds = 0.0
         self._pos = ctypes.c_int32(0)
 
+    def warm_up(self) -> None:
+        """One decode now, as llama.cpp warms up every context it creates: the head's buffers are allocated
+        here, not inside the first draft."""
+        self.eval([0], [0])
+        self.truncate(0)
+        self.evaluated = 0
+
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False,
              states: np.ndarray | None = None) -> np.ndarray:
         """Append entries (tokens[i], states[i]) at the next positions; states None = zero rows (the cost
@@ -1043,6 +1050,7 @@ class MtpHead(HeadBackend):
             raise BackendError(f"llama.cpp could not create the MTP context of {target.name}")
         self._setup(target, ctx, lib.llama_model_n_embd_out(target._model), f"{target.name} MTP", "|mtp")
         self.n_embd_in = self.n_embd  # it reads the target's final hidden rows as they are
+        self.warm_up()
         self.path = target.path
         self.n_gpu_layers = target.n_gpu_layers
 
@@ -1101,6 +1109,8 @@ class Eagle3Head(HeadBackend):
         self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "")
         self.path = path
         self.n_gpu_layers = params.n_gpu_layers
+        self.encode(np.zeros((1, self.n_embd_in), dtype=np.float32))
+        self.warm_up()
 
     def attach(self, sink) -> None:
         """Hand the drafter the three layer inputs of every token the target evaluates (`n_embd_in` wide);

@@ -19,13 +19,13 @@ class Draft:
     q: list[Dist | None] = field(default_factory=list)
     # how good the source looked: prompt lookup's matched n-gram length, a draft model's top probability
     confidence: float = 0.0
-    # who drafted: "draft-model", "prompt-lookup" (the context), "history" (earlier replies), "mtp" (a head)
+    # who drafted: "draft-model", "prompt-lookup" (the context), "history" (earlier replies), "mtp" / "eagle3" (a head)
     source: str = "draft-model"
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    kind: str  # "draft-model" | "prompt-lookup" | "hybrid" | "mtp"
+    kind: str  # "draft-model" | "prompt-lookup" | "hybrid" | "mtp" | "eagle3"
     # the drafter's own model, whose KV cache a caller resets and frees and whose cost a policy
     # measures; None for a drafter without one (prompt lookup)
     backend: Backend | None
@@ -84,14 +84,7 @@ class DraftModel:
         history = list(context) if params.has_penalty else ()
         confidence = 1.0
         for i in range(k):
-            if self.p_min > 0:  # the token and llama.cpp's confidence from one pass over the row
-                token, q, top = draft_step(row, params, history)
-            elif params.greedy:
-                token, q, top = greedy_token(row, params, history), None, 1.0
-            else:
-                token, q, top = None, process(row, params, history), 1.0
-            if q is not None:
-                token = sample(q, rng)
+            token, q, top = draft_token(row, params, history, rng, self.p_min)
             # llama.cpp's --spec-draft-p-min: stop before a token the draft itself is unsure of
             if top < self.p_min:
                 break
@@ -132,9 +125,9 @@ class HiddenRows:
         """Rows at `positions`; a zero row where there is none (position -1, like llama.cpp's first
         pending row, or one the target never handed over)."""
         out = np.zeros((len(positions), self.n_embd), dtype=np.float32)
-        for i, p in enumerate(positions):
-            if 0 <= p < self.known:
-                out[i] = self.rows[p]
+        lo, hi = max(positions.start, 0), min(positions.stop, self.known)
+        if lo < hi:
+            out[lo - positions.start : hi - positions.start] = self.rows[lo:hi]
         return out
 
 
@@ -238,11 +231,17 @@ class HeadDrafter:
         return draft
 
 
+def reads_target(drafter) -> bool:
+    """Whether a drafter reads the target's own context (a head, alone or in a hybrid): it cannot outlive
+    the target's backend."""
+    return isinstance(drafter, HeadDrafter) or isinstance(getattr(drafter, "model", None), HeadDrafter)
+
+
 def draft_token(row: np.ndarray, params: SamplingParams, history, rng: np.random.Generator,
                 p_min: float) -> tuple[int, Dist | None, float]:
     """(token, the distribution q it was drawn from (None: greedy, one-hot), the draft's top probability
     when p_min asks for it, else 1.0), as a draft model picks each token."""
-    if p_min > 0:
+    if p_min > 0:  # the token and llama.cpp's confidence from one pass over the row
         token, q, top = draft_step(row, params, history)
     elif params.greedy:
         token, q, top = greedy_token(row, params, history), None, 1.0
