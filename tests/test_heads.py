@@ -1,11 +1,13 @@
-"""Drafting heads that read the target's hidden states: the target's own MTP (NextN) layers (`-md mtp`).
+"""Drafting heads that read the target's hidden states: the target's own MTP (NextN) layers (`-md mtp`) and
+EAGLE-3 heads (`-md HEAD.gguf`, arch `eagle3`).
 
 On fakes: the head drafter's min(1, p/q) path is lossless, and a head fed the right hidden state is a
 perfect predictor here (q == p, every draft accepted, drafts distributed as the target's tokens), while
-the same head fed the previous position's state fails that check. On the real llama.cpp: a tiny qwen35
-(hybrid, recurrent-state snapshots) with one NextN block (tests/tiny_models.py) drafts through a
-LLAMA_CONTEXT_TYPE_MTP context; greedy output is the target's argmax everywhere, nothing is re-read,
-chat turns evaluate only their new tokens in both contexts, and a wrong pairing collapses acceptance."""
+the same head fed another position's state fails that check. On the real llama.cpp: a tiny qwen35 (hybrid,
+recurrent-state snapshots) with one NextN block, and a tiny EAGLE-3 head for a 4-layer llama target
+(tests/tiny_models.py); greedy output is the target's argmax everywhere, nothing is re-read, chat turns
+evaluate only their new tokens in both contexts, a wrong pairing collapses acceptance, and heads that do not
+fit (no MTP layers, another vocabulary, width or layer ids) are one-line errors."""
 
 from __future__ import annotations
 
