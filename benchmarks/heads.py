@@ -7,7 +7,7 @@
 tests/tiny_models.py writes a qwen35 target (hybrid, recurrent-state snapshots) with one MTP block, and a
 4-layer llama target with an EAGLE-3 head; both at their TARGET_CONTEXT, so the context moves some of
 the target's argmaxes away from the bigram map and the heads miss now and then. Greedy, --ignore-eos,
-2 threads, draft p-min 0 and exactly k drafts a step on both sides (llama.cpp: --spec-draft-n-max k
+--threads (2) threads, draft p-min 0 and exactly k drafts a step on both sides (llama.cpp: --spec-draft-n-max k
 --spec-draft-n-min k; specchat: a fixed policy of k). Each row is one fresh process.
 
 - per step: llama-speculative-simple (-v) logs "accepted a/d draft tokens" and the n_past after each step;
@@ -45,9 +45,9 @@ from specchat.drafters import HeadDrafter
 from specchat.engine import Finished, StepEvent, generate
 from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams
-kind, target_path, head_path, prompt, n, k = sys.argv[1:7]
+kind, target_path, head_path, prompt, n, k, threads = sys.argv[1:8]
 n, k = int(n), int(k)
-target = LlamaCppBackend(target_path, n_ctx=2048, n_threads=2, n_gpu_layers=0, mtp=kind == "mtp")
+target = LlamaCppBackend(target_path, n_ctx=2048, n_threads=int(threads), n_gpu_layers=0, mtp=kind == "mtp")
 head = drafter = None
 if kind == "mtp":
     head = MtpHead(target)
@@ -74,9 +74,13 @@ target.close()
 """
 
 
+THREADS = 2
+
+
 def run_specchat(home: Path, kind: str, target: Path, head: Path | None, prompt: str, n: int, k: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECCHAT_HOME": str(home)}
-    out = subprocess.run([sys.executable, "-c", RUNNER, kind, str(target), str(head or ""), prompt, str(n), str(k)],
+    out = subprocess.run([sys.executable, "-c", RUNNER, kind, str(target), str(head or ""), prompt, str(n), str(k),
+                          str(THREADS)],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"specchat failed: {out.stderr[-3000:]}")
@@ -84,11 +88,11 @@ def run_specchat(home: Path, kind: str, target: Path, head: Path | None, prompt:
 
 
 def run_llamacpp(binary: Path, kind: str, target: Path, head: Path | None, prompt: str, n: int, k: int) -> dict:
-    args = [str(binary), "-m", str(target), "-p", prompt, "-n", str(n), "-t", "2", "-c", "2048", "--temp", "0",
+    args = [str(binary), "-m", str(target), "-p", prompt, "-n", str(n), "-t", str(THREADS), "-c", "2048", "--temp", "0",
             "--top-k", "1", "-s", "1", "--ignore-eos", "-ngl", "0", "-v", "--spec-type", f"draft-{kind}",
             "--spec-draft-n-max", str(k), "--spec-draft-n-min", str(k), "--spec-draft-p-min", "0"]
     if head is not None:
-        args += ["-md", str(head), "-ngld", "0", "-td", "2"]
+        args += ["-md", str(head), "-ngld", "0", "-td", str(THREADS)]
     out = subprocess.run(args, capture_output=True, text=True, timeout=900)
     log = out.stdout + out.stderr
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
@@ -133,7 +137,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--show", type=int, default=8, help="paired steps printed side by side (and every one that differs)")
     ap.add_argument("--reps", type=int, default=3, help="runs of each; tok/s is their median (the machine is shared)")
+    ap.add_argument("--threads", type=int, default=2, help="-t for both (1 is steadier on a busy machine)")
     a = ap.parse_args()
+    global THREADS
+    THREADS = a.threads
     if not a.llama_bin.exists():
         sys.exit(f"no {a.llama_bin}: build llama-speculative-simple from the sdist (see DESIGN notes) or pass --llama-bin")
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +150,7 @@ def main() -> None:
         llama_target = tiny_models.write_model(work / "llama4.gguf", "llama", context=tiny_models.TARGET_CONTEXT["llama"],
                                                n_layer=tiny_models.EAGLE3_TARGET_LAYERS)
         eagle = tiny_models.write_eagle3(work / "eagle3.gguf")
-        print(f"greedy, k = {a.k} (p-min 0, exactly k drafts a step), {a.n} tokens, 2 threads, prompt: "
+        print(f"greedy, k = {a.k} (p-min 0, exactly k drafts a step), {a.n} tokens, {THREADS} threads, prompt: "
               f"{N_PROMPT} tokens of the models' own text")
         for kind, target, head in (("mtp", mtp_target, None), ("eagle3", llama_target, eagle)):
             prompt = own_text(target)
