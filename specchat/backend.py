@@ -183,6 +183,19 @@ def gguf_arch(path: Path) -> str | None:
 
 def gguf_header(path: Path) -> tuple[str | None, int | None]:
     """(architecture, trained context length) from a GGUF header, without loading anything."""
+    arch, values = gguf_values(path)
+    return arch, values.get("context_length")
+
+
+def gguf_nextn_layers(path: Path) -> int:
+    """How many MTP / NextN layers the file's model carries (`<arch>.nextn_predict_layers`, what
+    llama_model_n_layer_nextn reports once loaded); 0 when none or unreadable."""
+    return int(gguf_values(path)[1].get("nextn_predict_layers", 0))
+
+
+def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
+    """(architecture, the integer `<arch>.*` keys, and an EAGLE-3 head's `target_layers` as a tuple) from a
+    GGUF header, without loading anything."""
     import struct
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
@@ -220,14 +233,22 @@ def gguf_header(path: Path) -> tuple[str | None, int | None]:
                 key, kind = string(), read("I")
                 if key == b"general.architecture" and kind == 8:
                     arch = string()
-                elif key.endswith(b".context_length") and kind in ints:
+                elif kind in ints and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
                     values[key] = read(ints[kind])
+                elif kind == 9 and key.endswith(b".target_layers"):  # an EAGLE-3 head's layer ids
+                    inner, count = read("I"), read("Q")
+                    if inner not in ints:
+                        f.seek(-12, 1)
+                        skip(kind)
+                        continue
+                    values[key] = tuple(read(ints[inner]) for _ in range(count))
                 else:
                     skip(kind)
             name = arch.decode("utf-8", "replace") if arch else None
-            return name, values.get((arch or b"") + b".context_length")
+            prefix = (arch or b"") + b"."
+            return name, {k[len(prefix):].decode(): v for k, v in values.items() if k.startswith(prefix)}
     except (OSError, ValueError, struct.error):
-        return None, None
+        return None, {}
 
 
 def default_gpu_layers() -> int:
@@ -241,8 +262,9 @@ FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
 
 
 @contextmanager
-def context_params(flash_attn: str, n_rs_seq: int = 0):
-    """While a `Llama` loads, give its context llama.cpp's flash-attention setting and `n_rs_seq`.
+def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False):
+    """While a `Llama` loads, give its context llama.cpp's flash-attention setting and `n_rs_seq`, and its
+    model `load_mtp` (the MTP / NextN layers a model carries for drafting; skipped unless asked for).
 
     llama-cpp-python 0.3.36's `Llama(...)` offers flash attention only on and off, defaulting to off; llama.cpp
     (llama-cli, llama-server, llama-bench) defaults to auto, which turns it on where every layer's device
@@ -258,6 +280,7 @@ def context_params(flash_attn: str, n_rs_seq: int = 0):
         "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
     }[flash_attn]
     original = internals.LlamaContext
+    original_model = internals.LlamaModel
 
     class WithOurParams(original):
         def __init__(self, *, model, params, verbose=True):
@@ -265,11 +288,94 @@ def context_params(flash_attn: str, n_rs_seq: int = 0):
             params.n_rs_seq = n_rs_seq
             super().__init__(model=model, params=params, verbose=verbose)
 
+    class WithOurModelParams(original_model):
+        def __init__(self, *, path_model, params, verbose=True):
+            params.load_mtp = load_mtp
+            super().__init__(path_model=path_model, params=params, verbose=verbose)
+
     internals.LlamaContext = WithOurParams
+    internals.LlamaModel = WithOurModelParams
     try:
         yield
     finally:
         internals.LlamaContext = original
+        internals.LlamaModel = original_model
+
+
+# -- llama.cpp's staging API for drafting heads (src/llama-ext.h) ---------------------------------------
+# The target's final hidden rows ("nextn embeddings") that an MTP head reads are only reachable through
+# functions in llama.cpp's staging header, which libllama exports as C++ (mangled) symbols and
+# llama-cpp-python does not bind. They are bound here and nowhere else.
+HEADS_VERSION = "0.3.36"  # the first llama-cpp-python whose libllama has them (and load_mtp, ctx_type)
+_NEXTN_SYMBOLS = {
+    "set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+    "get_embeddings_nextn": "_Z26llama_get_embeddings_nextnP13llama_context",
+    "get_embeddings_nextn_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+    "set_embeddings_layer_inp": "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+    "get_embeddings_layer_inp": "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+    "model_target_layer_ids": "_Z28llama_model_target_layer_idsPK11llama_model",
+    "model_target_layer_ids_n": "_Z30llama_model_target_layer_ids_nPK11llama_model",
+}
+
+
+class NextnAPI:
+    """llama_set_embeddings_nextn / llama_get_embeddings_nextn(_ith), bound from libllama by symbol."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        f = getattr(lib, _NEXTN_SYMBOLS["set_embeddings_nextn"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None
+        self.set_embeddings_nextn = f
+        f = getattr(lib, _NEXTN_SYMBOLS["get_embeddings_nextn"])
+        f.argtypes, f.restype = [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float)
+        self.get_embeddings_nextn = f
+        f = getattr(lib, _NEXTN_SYMBOLS["get_embeddings_nextn_ith"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
+        self.get_embeddings_nextn_ith = f
+        # EAGLE-3: the target's layer inputs, and which layers a head reads
+        f = getattr(lib, _NEXTN_SYMBOLS["set_embeddings_layer_inp"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+        self.set_embeddings_layer_inp = f
+        f = getattr(lib, _NEXTN_SYMBOLS["get_embeddings_layer_inp"])
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+        self.get_embeddings_layer_inp = f
+        f = getattr(lib, _NEXTN_SYMBOLS["model_target_layer_ids"])
+        f.argtypes, f.restype = [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)
+        self._layer_ids = f
+        f = getattr(lib, _NEXTN_SYMBOLS["model_target_layer_ids_n"])
+        f.argtypes, f.restype = [ctypes.c_void_p], ctypes.c_uint32
+        self._layer_ids_n = f
+
+    def target_layers(self, model) -> tuple[int, ...]:
+        """The target layers an EAGLE-3 head reads (llama_model_target_layer_ids)."""
+        n = self._layer_ids_n(model)
+        ids = self._layer_ids(model)
+        return tuple(int(ids[i]) for i in range(n)) if n else ()
+
+
+_nextn_api: NextnAPI | None = None
+
+
+def nextn_api() -> NextnAPI:
+    """The staging API, or a one-line BackendError naming the llama-cpp-python version that has it."""
+    global _nextn_api
+    if _nextn_api is None:
+        import llama_cpp
+        import llama_cpp.llama_cpp as low
+
+        version = getattr(llama_cpp, "__version__", "?")
+        lib = getattr(low, "_lib", None)
+        missing = [name for name, sym in _NEXTN_SYMBOLS.items() if lib is None or not hasattr(lib, sym)]
+        has_c_api = all(hasattr(low, f) for f in ("llama_model_n_layer_nextn", "llama_batch_ext_set_embd_state",
+                                                  "llama_process"))
+        if missing or not has_c_api or not hasattr(low.llama_model_params, "load_mtp"):
+            raise BackendError(
+                f"drafting heads need llama-cpp-python >= {HEADS_VERSION} (its libllama exports "
+                f"llama_set_embeddings_nextn, llama_get_embeddings_nextn_ith and the EAGLE-3 layer inputs); "
+                f"installed: {version}: "
+                f"pip install 'llama-cpp-python>={HEADS_VERSION}'"
+            )
+        _nextn_api = NextnAPI(lib)
+    return _nextn_api
 
 
 # llama.cpp's own lists (src/llama-arch.cpp), for saying what a model file is without loading it. A loaded
@@ -362,6 +468,7 @@ class LlamaCppBackend:
         rpc: Sequence[str] = (),
         flash_attn: str = "auto",
         snapshots: int = MAX_SNAPSHOTS,
+        mtp: bool = False,
     ):
         """`snapshots`: recurrent-state snapshots to keep where the architecture supports them (the longest
         draft whose batch can be cut back without a copy); 0 for a model whose cache is cut after single-
@@ -382,7 +489,7 @@ class LlamaCppBackend:
         from .rpc import model_devices
 
         try:
-            with model_devices(devices), context_params(flash_attn, snapshots):
+            with model_devices(devices), context_params(flash_attn, snapshots, load_mtp=mtp):
                 self.llm = llama_cpp.Llama(
                     str(path),
                     n_ctx=n_ctx,
@@ -419,6 +526,16 @@ class LlamaCppBackend:
         self.n_gpu_layers = n_gpu_layers
         self._model = self.llm.model
         self.n_layer = llama_cpp.llama_model_n_layer(self._model)
+        self.n_layer_nextn = (llama_cpp.llama_model_n_layer_nextn(self._model)
+                              if hasattr(llama_cpp, "llama_model_n_layer_nextn") else 0)
+        self.mtp_loaded = mtp
+        self.flash_attn = flash_attn
+        # called after every decode with (position of the batch's first token, its final hidden rows):
+        # how an MTP head sees the target's hidden states (see capture_hidden)
+        self.hidden_sink = None
+        self._capture_layers: tuple[int, ...] = ()
+        self._n_embd_out = llama_cpp.llama_model_n_embd_out(self._model)
+        self._n_embd = llama_cpp.llama_model_n_embd(self._model)
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.n_swa = 0 if swa_full else llama_cpp.llama_model_n_swa(self._model)
@@ -515,6 +632,34 @@ class LlamaCppBackend:
                 self._held = 0
             raise BackendError(f"llama_decode failed with code {rc} ({self.name})")
         self.evaluated += len(chunk)
+        if self.hidden_sink is not None:
+            if self._capture_layers:  # EAGLE-3: the inputs of three layers, side by side per token
+                n, width = len(chunk), self._n_embd
+                rows = np.empty((n, width * len(self._capture_layers)), dtype=np.float32)
+                for k, lid in enumerate(self._capture_layers):
+                    ptr = self._nextn.get_embeddings_layer_inp(self.llm.ctx, lid)
+                    rows[:, k * width : (k + 1) * width] = np.ctypeslib.as_array(ptr, shape=(n, width))
+            else:
+                ptr = self._nextn.get_embeddings_nextn(self.llm.ctx)
+                rows = np.ctypeslib.as_array(ptr, shape=(len(chunk), self._n_embd_out))
+            self.hidden_sink(n_before, rows)
+
+    def capture_hidden(self, sink) -> None:
+        """Hand every decode's final hidden rows (one per token, as llama.cpp's MTP graph reads them) to
+        `sink(p0, rows)`; the rows are llama.cpp's buffer, valid until the next decode."""
+        self._nextn = nextn_api()
+        self._nextn.set_embeddings_nextn(self.llm.ctx, True, False)  # unmasked: a row for every token
+        self._capture_layers = ()
+        self.hidden_sink = sink
+
+    def capture_layers(self, layers: Sequence[int], sink) -> None:
+        """Hand every decode's inputs of `layers` (one row per token, the layers side by side) to
+        `sink(p0, rows)`: what an EAGLE-3 head reads."""
+        self._nextn = nextn_api()
+        for lid in layers:
+            self._nextn.set_embeddings_layer_inp(self.llm.ctx, lid, True)
+        self._capture_layers = tuple(layers)
+        self.hidden_sink = sink
 
     def _copy_rows(self, batch_idx, row_idx, rows: np.ndarray | None = None) -> np.ndarray:
         """Copy the last decode's logits at batch indices `batch_idx` into rows[row_idx]."""
@@ -722,6 +867,286 @@ class LlamaCppBackend:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
         self.llm.close()
+
+
+def _head_context_params(lib, target: LlamaCppBackend, ctx_type: int):
+    params = lib.llama_context_default_params()
+    params.n_ctx = target.n_ctx
+    params.n_batch = params.n_ubatch = target.n_batch
+    params.n_threads = params.n_threads_batch = target.n_threads
+    params.n_seq_max = 1
+    params.ctx_type = ctx_type
+    params.ctx_other = target.llm.ctx  # the target's context: its weights, memory or embeddings
+    params.n_rs_seq = 0
+    params.flash_attn_type = {"auto": -1, "on": 1, "off": 0}[target.flash_attn]
+    return params
+
+
+class HeadBackend:
+    """A drafting head: a llama.cpp context whose every entry is a token AND a hidden row. Which row goes
+    with which token is the drafter's business (drafters.HeadDrafter); `eval` takes them paired
+    (`llama_batch_ext_set_embd_token`), returns the logits rows asked for, and keeps the head's own output
+    hidden rows in `hidden` for a chained draft. Backend-shaped, so the policy measures and learns its cost
+    like a draft model's. Subclasses: MtpHead, Eagle3Head."""
+
+    kind = ""
+    # entry i of the head's cache holds context token i + shift (EAGLE-3 keeps no entry for token 0)
+    shift = 0
+
+    def _setup(self, target: LlamaCppBackend, ctx, n_embd: int, name: str, tag: str) -> None:
+        lib = self._lib
+        self.ctx = ctx
+        self._api.set_embeddings_nextn(self.ctx, True, True)  # masked: hidden rows only where logits are asked
+        self._mem = lib.llama_get_memory(self.ctx)
+        self._batch = lib.llama_batch_ext_init(self.ctx)
+        self.target = target
+        self.n_embd = n_embd
+        self.n_vocab = target.n_vocab
+        self.n_ctx = target.n_ctx
+        self.n_batch = target.n_batch
+        self.name = name
+        self.cost_tag = tag  # the head's costs are cached apart from the target's
+        self.n_threads = target.n_threads
+        self.rpc = target.rpc
+        self.memory = MemoryKind("kv", self.kind)
+        self.tokens: list[int] = []
+        self.hidden = np.zeros((0, self.n_embd), dtype=np.float32)
+        self.evaluated = 0
+        self.rollback_recoveries = 0
+        self.reevaluated = 0
+        self.rollback_seconds = 0.0
+        self._pos = ctypes.c_int32(0)
+
+    def warm_up(self) -> None:
+        """One decode now, as llama.cpp warms up every context it creates: the head's buffers are allocated
+        here, not inside the first draft."""
+        self.eval([0], [0])
+        self.truncate(0)
+        self.evaluated = 0
+
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False,
+             states: np.ndarray | None = None) -> np.ndarray:
+        """Append entries (tokens[i], states[i]) at the next positions; states None = zero rows (the cost
+        is the same: the policy's calibration). Returns the logits rows at `logits_at`; the head's output
+        hidden rows there are left in `self.hidden`."""
+        lib, n = self._lib, len(tokens)
+        if len(self.tokens) + n > self.n_ctx:
+            raise BackendError(f"context full: {self.name} holds {len(self.tokens)} + {n} tokens > -c {self.n_ctx}")
+        if states is None:
+            states = np.zeros((n, self.n_embd), dtype=np.float32)
+        states = np.ascontiguousarray(states, dtype=np.float32)
+        want = list(logits_at)
+        rows = np.empty((len(want), self.n_vocab), dtype=np.float32)
+        hidden = np.empty((len(want), self.n_embd), dtype=np.float32)
+        row_of = {i: r for r, i in enumerate(want)}
+        rows_first = want == list(range(len(want))) and len(want) <= self.n_batch
+        base = states.ctypes.data
+        stride = 4 * self.n_embd
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            lib.llama_batch_ext_clear(self._batch)
+            p0 = len(self.tokens)
+            for j in range(m):
+                idx = lib.llama_batch_ext_add_token(self._batch, 0, int(tokens[start + j]))
+                self._pos.value = p0 + j
+                lib.llama_batch_ext_set_pos(self._batch, idx, ctypes.byref(self._pos))
+                embd = lib.llama_embd(ctypes.cast(base + (start + j) * stride, ctypes.POINTER(ctypes.c_float)),
+                                      1, self.n_embd)
+                # the hidden row rides as the entry's embedding beside its token id, as llama.cpp's own
+                # MTP hook batches do (llama_batch_ext_set_embd_state is still a stub returning false)
+                if idx < 0 or not lib.llama_batch_ext_set_embd_token(self._batch, idx, embd):
+                    raise BackendError(f"llama.cpp refused an MTP batch entry ({self.name})")
+                lib.llama_batch_ext_set_output_logits(self._batch, idx, (start + j) in row_of)
+            rc = lib.llama_process(self.ctx, 1, self._batch)  # LLAMA_PROCESS_TYPE_DECODE
+            if rc != 0:
+                lib.llama_memory_seq_rm(self._mem, 0, p0, -1)
+                raise BackendError(f"llama_process failed with code {rc} ({self.name})")
+            self.tokens.extend(int(t) for t in tokens[start : start + m])
+            self.evaluated += m
+            for j in range(m):
+                r = row_of.get(start + j)
+                if r is not None:
+                    rows[r] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j), shape=(self.n_vocab,))
+                    if rows_first:
+                        hidden[r] = np.ctypeslib.as_array(self._api.get_embeddings_nextn_ith(self.ctx, j),
+                                                          shape=(self.n_embd,))
+        # llama.cpp's masked hidden rows of an MTP decode are the first n_outputs rows of the batch, whatever
+        # the outputs' indices: they are the outputs' own only when those come first (HeadDrafter evaluates
+        # the entry it drafts from in a batch of its own, as llama.cpp does)
+        self.hidden = hidden if rows_first else np.zeros((0, self.n_embd), dtype=np.float32)
+        return rows
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep < len(self.tokens):
+            if not self._lib.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+                self._lib.llama_memory_clear(self._mem, True)
+                n_keep = 0
+            del self.tokens[n_keep:]
+
+    def checkpoint(self, batch: int | None = None, *, turn: bool = False) -> None:
+        pass  # an attention cache: any suffix is cut for free
+
+    # the vocabulary is the target's
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.target.tokenize(text, add_special, parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.target.token_bytes(token)
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        return self.target.eog_tokens()
+
+    def is_eog(self, token: int) -> bool:
+        return self.target.is_eog(token)
+
+    @property
+    def vocab(self) -> VocabInfo:
+        return self.target.vocab
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.target.chat_template
+
+    @property
+    def bos_text(self) -> str:
+        return self.target.bos_text
+
+    @property
+    def eos_text(self) -> str:
+        return self.target.eos_text
+
+    @property
+    def placement(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        if self.ctx:
+            self.target.hidden_sink = None
+            self._lib.llama_batch_ext_free(self._batch)
+            self._lib.llama_free(self.ctx)
+            self.ctx = None
+
+
+class MtpHead(HeadBackend):
+    """The target's own MTP (NextN) layers: a second context of type LLAMA_CONTEXT_TYPE_MTP on the target's
+    weights (loaded with load_mtp), with a KV cache of its own for the MTP block. It reads the target's
+    final hidden rows (llama_get_embeddings_nextn)."""
+
+    kind = "mtp"
+    shift = 0
+
+    def __init__(self, target: LlamaCppBackend):
+        lib = self._lib = target._lib
+        if target.n_layer_nextn <= 0:
+            raise BackendError(
+                f"-md mtp: {target.name} has no MTP layers (llama_model_n_layer_nextn = 0); "
+                "use a draft model or -md prompt-lookup"
+            )
+        if not target.mtp_loaded:
+            raise BackendError(f"-md mtp: {target.name} was loaded without its MTP layers")
+        self._api = nextn_api()
+        ctx = lib.llama_init_from_model(target._model, _head_context_params(lib, target, 1))  # CONTEXT_TYPE_MTP
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create the MTP context of {target.name}")
+        self._setup(target, ctx, lib.llama_model_n_embd_out(target._model), f"{target.name} MTP", "|mtp")
+        self.n_embd_in = self.n_embd  # it reads the target's final hidden rows as they are
+        self.warm_up()
+        self.path = target.path
+        self.n_gpu_layers = target.n_gpu_layers
+
+    def attach(self, sink) -> None:
+        """Hand the drafter the target's final hidden row of every token it evaluates."""
+        self.target.capture_hidden(sink)
+
+
+class Eagle3Head(HeadBackend):
+    """An EAGLE-3 draft head (llama.cpp's `eagle3` arch): a one-layer decoder trained for one target. Its
+    encoder fuses three of the target's layer inputs (`<arch>.target_layers`) into one row g per token
+    (`fc`, LLAMA_PROCESS_TYPE_ENCODE); its decoder reads (token, g) pairs. The target's token embeddings
+    and LM head are read through `ctx_other` when the head has none of its own."""
+
+    kind = "eagle3"
+    shift = 1  # entry at position P is (token P+1, g_P): token 0 has none
+
+    def __init__(self, target: LlamaCppBackend, path: str | os.PathLike, n_gpu_layers: int | None = None):
+        lib = self._lib = target._lib
+        path = Path(path)
+        check_gguf_file(path)
+        self._api = nextn_api()
+        arch, values = gguf_values(path)
+        if arch != "eagle3":
+            raise BackendError(f"{path.name} is a {arch} model, not an EAGLE-3 head")
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        self._model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise BackendError(f"llama.cpp could not load the EAGLE-3 head {path}")
+        ctx = None
+        try:
+            problem = check_compatible(target.vocab, _vocab_info(lib, lib.llama_model_get_vocab(self._model),
+                                                                 lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)),
+                                                                 lambda t: lib.llama_vocab_get_text(lib.llama_model_get_vocab(self._model), t) or b""))
+            if problem:
+                raise BackendError(f"EAGLE-3 head {path.name} has another vocabulary than {target.name}: {problem}")
+            layers = self._api.target_layers(self._model)
+            n_layer = target.n_layer
+            target_embd = lib.llama_model_n_embd(target._model)
+            trained_embd = values.get("target_hidden_size")
+            if trained_embd != target_embd:
+                raise BackendError(f"EAGLE-3 head {path.name} reads hidden states of width {trained_embd}; "
+                                   f"{target.name}'s are {target_embd}: it was trained for another target")
+            if len(layers) != 3 or not all(0 <= lid < n_layer for lid in layers):
+                raise BackendError(f"EAGLE-3 head {path.name} reads target layers {list(layers)}; {target.name} "
+                                   f"has layers 0..{n_layer - 1}: it was trained for another target")
+            ctx = lib.llama_init_from_model(self._model, _head_context_params(lib, target, 0))
+            if not ctx:
+                raise BackendError(f"llama.cpp could not create a context for the EAGLE-3 head {path.name}")
+        except BaseException:
+            lib.llama_model_free(self._model)
+            raise
+        self.layers = tuple(layers)
+        self.n_embd_enc = self.n_embd_in = 3 * target_embd
+        self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "")
+        self.path = path
+        self.n_gpu_layers = params.n_gpu_layers
+        self.encode(np.zeros((1, self.n_embd_in), dtype=np.float32))
+        self.warm_up()
+
+    def attach(self, sink) -> None:
+        """Hand the drafter the three layer inputs of every token the target evaluates (`n_embd_in` wide);
+        the drafter encodes only the rows it pairs (`encode`), so a run without drafts pays a copy only."""
+        self.target.capture_layers(self.layers, sink)
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """g rows (n, n_embd) from the target's fused features (n, 3 * target n_embd)."""
+        lib, n = self._lib, len(features)
+        features = np.ascontiguousarray(features, dtype=np.float32)
+        out = np.empty((n, self.n_embd), dtype=np.float32)
+        stride = 4 * self.n_embd_enc
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            lib.llama_batch_ext_clear(self._batch)
+            # the per-token encoder reads no positions, but the batch must continue the memory's (as llama.cpp does)
+            p0 = lib.llama_memory_seq_pos_max(self._mem, 0) + 1
+            for j in range(m):
+                embd = lib.llama_embd(ctypes.cast(features.ctypes.data + (start + j) * stride,
+                                                  ctypes.POINTER(ctypes.c_float)), 1, self.n_embd_enc)
+                idx = lib.llama_batch_ext_add_embd(self._batch, 0, embd)
+                self._pos.value = p0 + j
+                if idx < 0 or not lib.llama_batch_ext_set_pos(self._batch, idx, ctypes.byref(self._pos)):
+                    raise BackendError(f"llama.cpp refused an EAGLE-3 encoder entry ({self.name})")
+                lib.llama_batch_ext_set_output_embd(self._batch, idx, True)
+            rc = lib.llama_process(self.ctx, 0, self._batch)  # LLAMA_PROCESS_TYPE_ENCODE
+            if rc != 0:
+                raise BackendError(f"the EAGLE-3 encoder failed with code {rc} ({self.name})")
+            out[start : start + m] = np.ctypeslib.as_array(self._api.get_embeddings_nextn(self.ctx),
+                                                           shape=(m, self.n_embd))
+        return out
+
+    def close(self) -> None:
+        if self.ctx:
+            super().close()
+            self._lib.llama_model_free(self._model)
 
 
 def _rpc_devices(endpoints: Sequence[str]):

@@ -164,6 +164,12 @@ class ChatSession:
         if not endpoints:
             self.notice("the target already runs on this machine")
             return
+        from .drafters import reads_target
+
+        if reads_target(self.loaded.drafter):
+            self.notice("the drafting head runs on the target's context: restart without --rpc to move it",
+                        "spec.error")
+            return
         from . import rpc
         from .backend import BackendError, LlamaCppBackend
 

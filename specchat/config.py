@@ -24,6 +24,9 @@ from . import paths
 
 PROMPT_LOOKUP = "prompt-lookup"
 """The draft name that means "no draft model: n-gram lookup over the prompt and history"."""
+MTP = "mtp"
+"""The draft name that means "the target's own MTP (NextN) layers draft" (llama.cpp's --spec-type draft-mtp)."""
+DRAFTERS = (PROMPT_LOOKUP, MTP)  # draft names that are not models
 
 SOURCE_KEYS = ("path", "hub", "package", "parts")
 _MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description", "rpc"}
@@ -102,8 +105,8 @@ class Config:
         `--target ./x.gguf` and `--draft owner/repo:Q8_0` work without editing any file."""
         if ref in self.models:
             return self.models[ref]
-        if ref == PROMPT_LOOKUP:
-            raise ConfigError(f"'{PROMPT_LOOKUP}' is a drafter, not a model; it can only be a pair's draft")
+        if ref in DRAFTERS:
+            raise ConfigError(f"'{ref}' is a drafter, not a model; it can only be a pair's draft")
         kind = classify_ref(ref)
         if kind is not None:
             return ModelSpec(name=ref, kind=kind, ref=ref)
@@ -283,8 +286,8 @@ class _File:
     def model_spec(self, name: str, body: Any) -> ModelSpec:
         keys = ("models", name)
         self.check_entry("models", name, body, _MODEL_KEYS)
-        if name == PROMPT_LOOKUP:
-            raise self.error(keys, f"'{PROMPT_LOOKUP}' is reserved for the prompt-lookup drafter")
+        if name in DRAFTERS:
+            raise self.error(keys, f"'{name}' is reserved for the {name} drafter")
         values = {k: self.get(body, keys, k, str) for k in ("path", "hub", "package", "file", "description") if k in body}
         assemble = self.get(body, keys, "assemble", bool, False)
         sources = sorted((k for k in SOURCE_KEYS if k in body), key=lambda k: self.index.line(keys + (k,)))
@@ -423,7 +426,7 @@ class _File:
 def _check_pair_refs(cfg: Config, pair: PairSpec, index: _LineIndex) -> None:
     """After every file is read, a pair's target and draft must name something usable."""
     for key, ref in (("target", pair.target), ("draft", pair.draft)):
-        if key == "draft" and ref == PROMPT_LOOKUP:
+        if key == "draft" and ref in DRAFTERS:
             continue
         keys = ("pairs", pair.name, key)
         try:

@@ -19,13 +19,13 @@ class Draft:
     q: list[Dist | None] = field(default_factory=list)
     # how good the source looked: prompt lookup's matched n-gram length, a draft model's top probability
     confidence: float = 0.0
-    # who drafted: "draft-model", "prompt-lookup" (the context) or "history" (earlier replies)
+    # who drafted: "draft-model", "prompt-lookup" (the context), "history" (earlier replies), "mtp" / "eagle3" (a head)
     source: str = "draft-model"
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    kind: str  # "draft-model" | "prompt-lookup" | "hybrid"
+    kind: str  # "draft-model" | "prompt-lookup" | "hybrid" | "mtp" | "eagle3"
     # the drafter's own model, whose KV cache a caller resets and frees and whose cost a policy
     # measures; None for a drafter without one (prompt lookup)
     backend: Backend | None
@@ -84,14 +84,7 @@ class DraftModel:
         history = list(context) if params.has_penalty else ()
         confidence = 1.0
         for i in range(k):
-            if self.p_min > 0:  # the token and llama.cpp's confidence from one pass over the row
-                token, q, top = draft_step(row, params, history)
-            elif params.greedy:
-                token, q, top = greedy_token(row, params, history), None, 1.0
-            else:
-                token, q, top = None, process(row, params, history), 1.0
-            if q is not None:
-                token = sample(q, rng)
+            token, q, top = draft_token(row, params, history, rng, self.p_min)
             # llama.cpp's --spec-draft-p-min: stop before a token the draft itself is unsure of
             if top < self.p_min:
                 break
@@ -107,6 +100,156 @@ class DraftModel:
         draft.confidence = confidence
         return draft
 
+
+
+class HiddenRows:
+    """The target's final hidden row for every position it evaluated, as its decodes hand them over
+    (Backend.capture_hidden): the latest evaluation of a position wins, which is the one of the tokens its
+    cache holds now. Grows with the context (n_embd floats a token)."""
+
+    def __init__(self, n_embd: int):
+        self.n_embd = n_embd
+        self.rows = np.zeros((0, n_embd), dtype=np.float32)
+        self.known = 0  # positions below this have a row
+
+    def put(self, p0: int, rows: np.ndarray) -> None:
+        end = p0 + len(rows)
+        if end > len(self.rows):
+            grown = np.zeros((max(end, 2 * len(self.rows), 64), self.n_embd), dtype=np.float32)
+            grown[: len(self.rows)] = self.rows
+            self.rows = grown
+        self.rows[p0:end] = rows
+        self.known = max(self.known, end) if p0 <= self.known else self.known
+
+    def states(self, positions: range) -> np.ndarray:
+        """Rows at `positions`; a zero row where there is none (position -1, like llama.cpp's first
+        pending row, or one the target never handed over)."""
+        out = np.zeros((len(positions), self.n_embd), dtype=np.float32)
+        lo, hi = max(positions.start, 0), min(positions.stop, self.known)
+        if lo < hi:
+            out[lo - positions.start : hi - positions.start] = self.rows[lo:hi]
+        return out
+
+
+class HeadDrafter:
+    """A drafting head that reads the target's hidden states: the target's own MTP layers (`MtpHead`) or an
+    EAGLE-3 head (`Eagle3Head`), paired as llama.cpp pairs them (common/speculative.cpp).
+
+    MTP (common_speculative_impl_draft_mtp): the head's entry at position j is the token x_j with the
+    target's final hidden row h_{j-1} (a zero row at j = 0), and it predicts x_{j+1}. EAGLE-3
+    (common_speculative_impl_draft_eagle3): its entry at position P is x_{P+1} with g_P, the encoded layer
+    inputs of x_P; token 0 has no entry (`shift` = 1). Both: the token x_j goes with the row of x_{j-1}.
+    The target's cache holds context[:-1], so every row up to that of x_{n-2} exists when a draft starts:
+    the head catches up on the entries it lacks, ending with x_{n-1}'s (llama.cpp's deferred boundary,
+    completed once the token after the verify is known), whose logits give d1; each further draft token
+    goes in with the head's own output row of the step before. Draft entries are cut after proposing: once
+    verified, the target's rows replace the head's own.
+
+    `pair_offset` (tests only) pairs x_j with the row of x_{j-1-pair_offset}: a wrong pairing, which the tiny
+    heads punish with a collapse in acceptance."""
+
+    def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0, pair_offset: int = 0):
+        self.head = head
+        self.kind = getattr(head, "kind", "mtp") or "mtp"  # the policy: "mtp" / "eagle3", both like a draft model
+        self.backend = head  # the KV cache a caller resets, the cost a policy measures
+        self.p_min = p_min
+        self.draft_min = draft_min
+        self.pair_offset = pair_offset
+        self.shift = getattr(head, "shift", 0)
+        # what the target hands over per token (an EAGLE-3 head's encoder turns it into the rows it pairs)
+        self.hidden = HiddenRows(getattr(head, "n_embd_in", head.n_embd))
+        self._encode = getattr(head, "encode", None)
+        if hasattr(head, "attach"):
+            head.attach(self.hidden.put)
+        else:
+            target.capture_hidden(self.hidden.put)
+
+    def room(self) -> int:
+        return self.head.n_ctx + self.shift
+
+    def _catch_up(self, context: Sequence[int], end: int, logits: bool) -> np.ndarray | None:
+        """Make the head hold the entries of context tokens shift..end-1, evaluating only what differs from
+        what it holds; with `logits`, the last entry is evaluated (again), alone, for its row."""
+        seq = list(context[self.shift : end])
+        if not seq:
+            return None
+        held = self.head.tokens
+        limit = min(len(held), len(seq))
+        if held[:limit] == seq[:limit]:
+            common = limit
+        else:
+            common = 0
+            while held[common] == seq[common]:
+                common += 1
+        if logits and common == len(seq):
+            common -= 1
+        self.head.truncate(common)
+        if common >= len(seq):
+            return None
+        # entry i holds context token i + shift, paired with the row of the token before it
+        first = common + self.shift - 1 - self.pair_offset
+        states = self.hidden.states(range(first, first + len(seq) - common))
+        if self._encode is not None:
+            states = self._encode(states)
+        if not logits:
+            self.head.eval(seq[common:], [], states=states)
+            return None
+        if len(seq) - common > 1:  # the entries before the last, then the last alone: its hidden row comes back
+            self.head.eval(seq[common:-1], [], states=states[:-1])
+        return self.head.eval([seq[-1]], [0], states=states[-1:])[0]
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        if 1 < len(prompt_ids) < self.head.n_ctx:
+            self._catch_up(prompt_ids, len(prompt_ids) - 1, logits=False)
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        n = len(context)
+        k = min(k, self.head.n_ctx - (n - self.shift))
+        if k <= 0 or n <= self.shift:
+            return Draft()
+        row = self._catch_up(context, n, logits=True)
+        draft = Draft(source=self.kind)
+        history = list(context) if params.has_penalty else ()
+        confidence = 1.0
+        try:
+            for i in range(k):
+                token, q, top = draft_token(row, params, history, rng, self.p_min)
+                if top < self.p_min:
+                    break
+                confidence = min(confidence, top)
+                draft.tokens.append(token)
+                draft.q.append(q)
+                if params.has_penalty:
+                    history.append(token)
+                if i < k - 1:
+                    row = self.head.eval([token], [0], states=self.head.hidden)[0]
+        finally:
+            self.head.truncate(n - self.shift)  # the draft entries carry the head's own rows, not the target's
+        if len(draft.tokens) < self.draft_min:
+            return Draft()
+        draft.confidence = confidence
+        return draft
+
+
+def reads_target(drafter) -> bool:
+    """Whether a drafter reads the target's own context (a head, alone or in a hybrid): it cannot outlive
+    the target's backend."""
+    return isinstance(drafter, HeadDrafter) or isinstance(getattr(drafter, "model", None), HeadDrafter)
+
+
+def draft_token(row: np.ndarray, params: SamplingParams, history, rng: np.random.Generator,
+                p_min: float) -> tuple[int, Dist | None, float]:
+    """(token, the distribution q it was drawn from (None: greedy, one-hot), the draft's top probability
+    when p_min asks for it, else 1.0), as a draft model picks each token."""
+    if p_min > 0:  # the token and llama.cpp's confidence from one pass over the row
+        token, q, top = draft_step(row, params, history)
+    elif params.greedy:
+        token, q, top = greedy_token(row, params, history), None, 1.0
+    else:
+        token, q, top = None, process(row, params, history), 1.0
+    if q is not None:
+        token = sample(q, rng)
+    return token, q, top
 
 
 def longest_match(hay: np.ndarray, n_hay: int, ids: np.ndarray, max_len: int,

@@ -6,9 +6,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .backend import MAX_SNAPSHOTS, Backend, BackendError, LlamaCppBackend
-from .config import PROMPT_LOOKUP, Config, ModelSpec
-from .drafters import DraftModel, Drafter, HybridDrafter, IncompatibleDraft, PromptLookup
+from .backend import MAX_SNAPSHOTS, Backend, BackendError, Eagle3Head, LlamaCppBackend, MtpHead, gguf_arch
+from .config import MTP, PROMPT_LOOKUP, Config, ModelSpec
+from .drafters import DraftModel, Drafter, HeadDrafter, HybridDrafter, IncompatibleDraft, PromptLookup
 from .sources import resolve
 
 
@@ -43,8 +43,8 @@ class Loaded:
     target: Backend
     drafter: Drafter | None
     target_spec: ModelSpec
-    draft_spec: ModelSpec | None  # None for prompt lookup and for no drafter
-    drafter_label: str  # "prompt-lookup", a draft model name, "prompt-lookup + NAME" (hybrid), or "none"
+    draft_spec: ModelSpec | None  # None for prompt lookup, the target's MTP layers and no drafter
+    drafter_label: str  # "prompt-lookup", "mtp", a draft model name, "prompt-lookup + NAME" (hybrid), or "none"
     # why drafting is off although a drafter was asked for (one line for the user), or None
     drafting_off: str | None = None
 
@@ -73,7 +73,8 @@ class Loaded:
         return line + (f" · {self.drafting_off}" if self.drafting_off else "")
 
     def close(self) -> None:
-        for backend in (self.target, self.drafter.backend if self.drafter is not None else None):
+        # the drafter first: an MTP head's context lives on the target's weights
+        for backend in (self.drafter.backend if self.drafter is not None else None, self.target):
             if backend is not None:
                 backend.close()
 
@@ -84,10 +85,11 @@ class Selection:
     draft: str | None  # model ref, PROMPT_LOOKUP, or None (no speculation)
     rpc: tuple[str, ...] = ()  # the pair's `rpc` workers, when the pair picked the target
     hybrid: bool = False  # prompt lookup first, the draft model when lookup has nothing better
+    eagle3: bool = False  # --spec-type draft-eagle3: the draft must be an EAGLE-3 head
 
 
 def select(config: Config, *, pair: str | None, target: str | None, draft: str | None, no_spec: bool,
-           hybrid: bool | None = None) -> Selection:
+           hybrid: bool | None = None, eagle3: bool = False) -> Selection:
     """--pair picks both; -m / -md override either part. -m alone drafts with prompt lookup, which needs
     no second model; --no-spec drops the drafter. --hybrid / --no-hybrid override a pair's `lookup`."""
     rpc: tuple[str, ...] = ()
@@ -100,7 +102,8 @@ def select(config: Config, *, pair: str | None, target: str | None, draft: str |
         pair_hybrid = chosen.lookup
     draft = draft or PROMPT_LOOKUP
     use_hybrid = (pair_hybrid if hybrid is None else hybrid) and draft != PROMPT_LOOKUP
-    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc, hybrid=use_hybrid and not no_spec)
+    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc, hybrid=use_hybrid and not no_spec,
+                     eagle3=eagle3)
 
 
 def load(
@@ -121,6 +124,7 @@ def load(
     target = LlamaCppBackend(
         target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name,
         rpc=rpc, flash_attn=opts.flash_attn, snapshots=min(max(opts.draft_max, 0), MAX_SNAPSHOTS),
+        mtp=selection.draft == MTP,
     )
     try:
         if selection.draft is None:
@@ -135,9 +139,30 @@ def load(
         lookup = PromptLookup(opts.lookup_min, opts.lookup_max, draft_min=opts.draft_min, history=history)
         if selection.draft == PROMPT_LOOKUP:
             return Loaded(target, lookup, target_spec, None, PROMPT_LOOKUP)
+        if selection.draft == MTP:
+            status(f"creating the MTP context of {target_spec.name}")
+            head = HeadDrafter(MtpHead(target), target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
+            if selection.hybrid:
+                return Loaded(target, HybridDrafter(lookup, head), target_spec, None, f"{PROMPT_LOOKUP} + {MTP}")
+            return Loaded(target, head, target_spec, None, MTP)
         draft_spec = config.model(selection.draft)
         status(f"locating draft {draft_spec.name}")
         draft_path = resolve(draft_spec)
+        if gguf_arch(draft_path) == "eagle3":  # a head trained for this target: it reads the target's layers
+            status(f"loading EAGLE-3 head {draft_spec.name}")
+            eagle = Eagle3Head(target, draft_path, n_gpu_layers=opts.n_gpu_layers_draft)
+            try:
+                head = HeadDrafter(eagle, target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
+            except BaseException:
+                eagle.close()
+                raise
+            if selection.hybrid:
+                return Loaded(target, HybridDrafter(lookup, head), target_spec, draft_spec,
+                              f"{PROMPT_LOOKUP} + {draft_spec.name}")
+            return Loaded(target, head, target_spec, draft_spec, draft_spec.name)
+        if selection.eagle3:
+            raise BackendError(f"--spec-type draft-eagle3: {draft_spec.name} is a {gguf_arch(draft_path)} model, "
+                               "not an EAGLE-3 head")
         status(f"loading draft {draft_spec.name}")
         draft_backend = LlamaCppBackend(
             draft_path,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from .backend import BackendError, arch_memory, check_compatible, gguf_arch, read_vocab
-from .config import PROMPT_LOOKUP, Config, ConfigError
+from .backend import BackendError, arch_memory, check_compatible, gguf_arch, gguf_nextn_layers, gguf_values, read_vocab
+from .config import MTP, PROMPT_LOOKUP, Config, ConfigError
 from .crossvocab import file_vocab_map, vocabulary_note
 from .sources import SourceError, describe, is_present, resolve
 
@@ -43,12 +43,22 @@ MEMORY_WORDS = {"kv": "KV cache", "snapshots": "recurrent, snapshots", "checkpoi
 def _memory(spec) -> str:
     """The model's architecture and how its cache is cut after a rejected draft (from the file's header)."""
     try:
-        arch = gguf_arch(resolve(spec, download=False))
+        path = resolve(spec, download=False)
+        arch = gguf_arch(path)
     except (SourceError, ConfigError):
         return "[dim]?[/]"
     if arch is None:
         return "[dim]?[/]"
-    return escape(f"{arch} · {MEMORY_WORDS[arch_memory(arch)]}")
+    if arch == "eagle3":  # what it was trained for: a target of this width, these layers read
+        values = gguf_values(path)[1]
+        layers = ", ".join(str(x) for x in values.get("target_layers", ())) or "?"
+        return escape(f"eagle3 · EAGLE-3 head for a target of width {values.get('target_hidden_size', '?')}, "
+                      f"reading its layers {layers} (-md it with that target)")
+    text = f"{arch} · {MEMORY_WORDS[arch_memory(arch)]}"
+    nextn = gguf_nextn_layers(path)
+    if nextn:  # the model drafts for itself: -md mtp
+        text += f" · {nextn} MTP layer{'s' if nextn > 1 else ''} (-md mtp)"
+    return escape(text)
 
 
 def _layers(rpc: tuple[str, ...]) -> str:
@@ -62,6 +72,8 @@ def _compatibility(config: Config, pair, vocabs: dict) -> str:
     target shares (the map is cached, see crossvocab.py)."""
     if pair.draft == PROMPT_LOOKUP:
         return "any (prompt lookup drafts the target's own tokens)"
+    if pair.draft == MTP:
+        return "the target's own (its MTP layers draft)"
     try:
         specs = [config.model(pair.target), config.model(pair.draft)]
         if not all(is_present(s) for s in specs):

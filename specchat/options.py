@@ -39,7 +39,11 @@ Target = Annotated[
 ]
 Draft = Annotated[
     str | None,
-    typer.Option("-md", "--draft", "--model-draft", "--spec-draft-model", help="Drafter: a model (name, path or hub ref) or `prompt-lookup`. Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
+    typer.Option("-md", "--draft", "--model-draft", "--spec-draft-model", help="Drafter: a model (name, path or hub ref), `prompt-lookup`, or `mtp` (the target's own MTP layers). Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
+]
+SpecType = Annotated[
+    str | None,
+    typer.Option("--spec-type", help="llama.cpp's spelling of the drafter: draft-mtp (the target's own MTP layers, = -md mtp), draft-eagle3 (-md names the head), draft-simple (a draft model), ngram-simple (= -md prompt-lookup).", rich_help_panel=SPEC),
 ]
 Pair = Annotated[
     str | None,
@@ -149,6 +153,7 @@ class RunArgs:
 
     target: Target = None
     draft: Draft = None
+    spec_type: SpecType = None
     pair: Pair = None
     no_spec: NoSpec = False
     max_tokens: MaxTokens = MAX_TOKENS

@@ -245,6 +245,7 @@ def cost_cache_key(backend: Backend) -> str:
     except OSError:
         ident = str(path)
     ident += f"|threads={backend.n_threads}|ngl={backend.n_gpu_layers}"
+    ident += getattr(backend, "cost_tag", "")  # a drafting head on the target's own file ("|mtp")
     if backend.rpc:
         # layers on RPC workers cost round trips: calibrated per endpoint set
         ident += "|rpc=" + ",".join(sorted(backend.rpc))
@@ -813,6 +814,8 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
 # the policy for each kind of drafter; any other (a test's scripted drafter) is treated as a model
 POLICIES: dict[str, type[AdaptivePolicy]] = {
     "draft-model": DraftModelPolicy, "prompt-lookup": LookupPolicy, "hybrid": HybridPolicy,
+    # a head's tokens cost time like a draft model's: learned per drafted token
+    "mtp": DraftModelPolicy, "eagle3": DraftModelPolicy,
 }
 
 
@@ -828,6 +831,9 @@ def _file_size(backend) -> int | None:
         return Path(backend.path).stat().st_size if backend.path else None
     except OSError:
         return None
+
+
+HEAD_KINDS = ("mtp", "eagle3")  # drafting heads: a draft model's policy, their own cost
 
 
 def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True,
@@ -849,7 +855,9 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bo
     draft_cost = None
     if reproducible:
         verify = reference_cost_model()
-        if drafter.kind in ("draft-model", "hybrid"):
+        if drafter.kind in HEAD_KINDS:  # one or a few layers on the target's weights
+            draft_cost = CostModel([1], [verify(1) * 0.1], measured=True)
+        elif drafter.kind in ("draft-model", "hybrid"):
             # a draft token's cost relative to a target token: the ratio of the model files' sizes
             sizes = _file_size(drafter.backend), _file_size(loaded.target)
             ratio = min(1.0, max(0.02, sizes[0] / sizes[1])) if all(sizes) else 0.25
@@ -860,7 +868,7 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bo
         cache_file = cache_dir() / "costs.json"
         verify = cached_cost_model(loaded.target, cache_file, notify)
         drafter_id = drafter.kind
-        if drafter.kind in ("draft-model", "hybrid"):
+        if drafter.kind in ("draft-model", "hybrid", *HEAD_KINDS):
             draft_cost = cached_cost_model(drafter.backend, cache_file, notify)
             drafter_id += ":" + cost_cache_key(drafter.backend)
         store = None

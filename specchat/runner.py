@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from .backend import FLASH_ATTN, Backend, BackendError
-from .config import PROMPT_LOOKUP, Config, ConfigError
+from .config import MTP, PROMPT_LOOKUP, Config, ConfigError
 from .loader import LoadOptions, Selection, load, select
 from .options import MAX_THREADS, RunArgs
 from .sampling import SamplingParams
@@ -144,8 +144,9 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         # a reproducible run needs a seed: 0 unless given
         seed=0 if args.reproducible and args.seed is None else args.seed,
     )
-    selection = select(config, pair=args.pair, target=args.target, draft=args.draft,
-                       no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid)
+    selection = select(config, pair=args.pair, target=args.target, draft=spec_type_draft(args.spec_type, args.draft),
+                       no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid,
+                       eagle3=(args.spec_type or "").strip().lower() == "draft-eagle3")
     if args.hybrid and selection.draft == PROMPT_LOOKUP:
         raise UserError("--hybrid needs a draft model (-md MODEL or a pair with one) to fall back on")
     load_opts = LoadOptions(
@@ -159,6 +160,31 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         load_opts.lookup_history = False
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
                       stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible)
+
+
+SPEC_TYPES = ("draft-mtp", "draft-eagle3", "draft-simple", "ngram-simple")  # llama.cpp's --spec-type values we take
+
+
+def spec_type_draft(spec_type: str | None, draft: str | None) -> str | None:
+    """-md as --spec-type (llama.cpp's spelling) implies it; a contradiction is a one-line error."""
+    if spec_type is None:
+        return draft
+    kind = spec_type.strip().lower()
+    if kind not in SPEC_TYPES:
+        raise UserError(f"--spec-type {spec_type!r}: one of {', '.join(SPEC_TYPES)}")
+    if kind == "draft-mtp":
+        if draft not in (None, MTP):
+            raise UserError(f"--spec-type draft-mtp drafts with the target's own MTP layers: drop -md {draft}")
+        return MTP
+    if kind == "ngram-simple":
+        if draft not in (None, PROMPT_LOOKUP):
+            raise UserError(f"--spec-type ngram-simple is prompt lookup: drop -md {draft}")
+        return PROMPT_LOOKUP
+    if draft in (MTP, PROMPT_LOOKUP):
+        raise UserError(f"--spec-type {kind} needs a model file as -md, not {draft}")
+    if kind == "draft-eagle3" and draft is None:
+        raise UserError("--spec-type draft-eagle3 needs the EAGLE-3 head: -md FILE")
+    return draft
 
 
 def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:

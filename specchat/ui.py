@@ -126,7 +126,8 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-SOURCE_NAMES = {"prompt-lookup": "lookup", "history": "lookup: earlier replies", "draft-model": "draft model"}
+SOURCE_NAMES = {"prompt-lookup": "lookup", "history": "lookup: earlier replies", "draft-model": "draft model",
+                "mtp": "MTP head", "eagle3": "EAGLE-3 head"}
 
 
 def footer(totals: RunStats | None, last: StepStats | None, *, label: str = "") -> Text:

@@ -425,6 +425,51 @@ def _block_tensors(arch: str, i: int, w: _Weights, n_embd: int, dims: dict) -> d
     return t
 
 
+MTP_MIX = 1.0  # weight of the hidden-state path against the token path in the MTP block
+_SHARED_HEAD = "blk.{}.nextn.shared_head_head.weight"
+
+
+def _mtp_tensors(il: int, seed: int, n_embd: int, dims: dict, cycle: int, n_tokens: int,
+                 mix: float) -> dict[str, np.ndarray]:
+    """One Qwen3.5 NextN block at index `il` (llama_model_qwen35::graph_mtp), made to predict the token after
+    next from BOTH its inputs. At MTP position p+1 llama.cpp feeds the token x_{p+1} and the target's final
+    hidden row h_p (after output_norm: ~E[x_p] in this near-bigram model). eh_proj = [I | mix*I] sums the two
+    (after their RMS norms), the attention and FFN outputs are 0 (the block passes that sum through), and its
+    own LM head (`shared_head_head`) scores token v by E[pred v] + mix * E[pred pred v]: v = succ[x_{p+1}]
+    wins only when h_p really is the row of the token before x_{p+1}. Paired with another position's row,
+    two or three tokens tie for the top, so acceptance collapses to about a half or a third.
+    Chained drafts feed the block's own output row back as h, like llama.cpp does."""
+    w = _Weights(seed, il, 0.0)  # context 0: the output projections are exactly zero
+    hd, nh, nkv, n_ff = dims["hd"], dims["n_head"], dims["n_kv"], dims["n_ff"]
+    eye = np.eye(n_embd, dtype=np.float32)
+    e = _embeddings(seed, n_embd)
+    succ = successor_map(seed, cycle, n_tokens)
+    src = np.flatnonzero(succ >= 0)  # cycle tokens t: v = succ[t] has pred v = t
+    pred = np.full(N_VOCAB, -1, dtype=np.int64)
+    pred[succ[src]] = src
+    head = np.zeros_like(e)
+    v = succ[src]
+    head[v] = HEAD_SCALE * (e[src] + mix * e[pred[src]])
+    return {
+        f"blk.{il}.attn_norm.weight": _ones(n_embd),
+        f"blk.{il}.post_attention_norm.weight": _ones(n_embd),
+        f"blk.{il}.attn_q.weight": w.mat(2 * nh * hd, n_embd, 2.0),
+        f"blk.{il}.attn_k.weight": w.mat(nkv * hd, n_embd, 2.0),
+        f"blk.{il}.attn_v.weight": w.mat(nkv * hd, n_embd),
+        f"blk.{il}.attn_q_norm.weight": _ones(hd),
+        f"blk.{il}.attn_k_norm.weight": _ones(hd),
+        f"blk.{il}.attn_output.weight": w.out(n_embd, nh * hd),
+        f"blk.{il}.ffn_gate.weight": w.mat(n_ff, n_embd),
+        f"blk.{il}.ffn_up.weight": w.mat(n_ff, n_embd),
+        f"blk.{il}.ffn_down.weight": w.out(n_embd, n_ff),
+        f"blk.{il}.nextn.eh_proj.weight": np.concatenate([eye, mix * eye], axis=1),  # ggml {2 n_embd, n_embd}
+        f"blk.{il}.nextn.enorm.weight": _ones(n_embd),
+        f"blk.{il}.nextn.hnorm.weight": _ones(n_embd),
+        f"blk.{il}.nextn.shared_head_norm.weight": _ones(n_embd),
+        _SHARED_HEAD.format(il): head,
+    }
+
+
 def write_model(
     path: str | os.PathLike,
     arch: str,
@@ -437,6 +482,8 @@ def write_model(
     n_tokens: int = 2048,
     attn_every: int = 2,
     dtype: str = "q8_0",
+    mtp: bool = False,
+    mtp_mix: float = MTP_MIX,
 ) -> Path:
     """Write a tiny `arch` GGUF model to `path` and return the path.
 
@@ -446,6 +493,8 @@ def write_model(
         (layer attn_every-1, 2*attn_every-1, ...) and conv / DeltaNet layers elsewhere: n_layer >= attn_every.
     cycle, n_tokens: the successor map (see successor_map).
     dtype: of token_embd and output, the two vocabulary-sized matrices ("q8_0", "f16" or "f32"); the rest is f32.
+    mtp: (qwen35 only) append one NextN/MTP block (`nextn_predict_layers` = 1), see _mtp_tensors.
+    mtp_mix: the weight of the hidden-state path in the MTP block (see _mtp_tensors).
     """
     import gguf
 
@@ -458,8 +507,13 @@ def write_model(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}")
 
+    if mtp and arch != "qwen35":
+        raise ValueError("MTP layers are written for qwen35 only")
     path = Path(path)
     kv, dims = _arch_params(arch, n_embd, n_layer, attn_every)
+    if mtp:
+        kv["block_count"] = n_layer + 1  # the trunk, then the NextN block (hparams.n_layer_all)
+        kv["nextn_predict_layers"] = 1
 
     tensors: dict[str, np.ndarray] = {"token_embd.weight": np.asarray(_embeddings(seed, n_embd))}
     scale = context * _context_unit(n_embd, n_layer)
@@ -468,6 +522,8 @@ def write_model(
     # lfm2 stores its final norm as "token_embd_norm" (LLM_TENSOR_OUTPUT_NORM_LFM2)
     tensors["token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"] = _ones(n_embd)
     tensors["output.weight"] = _head(seed, n_embd, cycle, n_tokens)
+    if mtp:
+        tensors.update(_mtp_tensors(n_layer, seed, n_embd, dims, cycle, n_tokens, mtp_mix))
 
     writer = gguf.GGUFWriter(str(path), arch)  # writes general.architecture
     writer.add_string("general.name", f"tiny-{arch}")
@@ -489,11 +545,108 @@ def write_model(
 
     big = gguf.GGMLQuantizationType(_DTYPES[dtype])
     for name, data in tensors.items():
-        if name in ("token_embd.weight", "output.weight") and dtype != "f32":
+        if name in ("token_embd.weight", "output.weight", _SHARED_HEAD.format(n_layer)) and dtype != "f32":
             writer.add_tensor(name, gguf.quants.quantize(data, big), raw_dtype=big)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
 
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+EAGLE3_LAYERS = (1, 2, 3)  # the target layers whose inputs an EAGLE-3 head reads (low, mid, high)
+EAGLE3_TARGET_LAYERS = 4  # n_layer of the llama target written for it
+
+
+def write_eagle3(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    n_embd: int = 64,
+    target_n_embd: int | None = None,
+    layers: tuple[int, int, int] = EAGLE3_LAYERS,
+    cycle: int = 32,
+    n_tokens: int = 2048,
+    other_vocab: bool = False,
+    dtype: str = "q8_0",
+) -> Path:
+    """An EAGLE-3 draft head (llama.cpp's `eagle3` arch, src/models/eagle3.cpp) for a llama target written by
+    write_model(..., "llama", n_layer=EAGLE3_TARGET_LAYERS, seed=seed): `<arch>.target_layers` = `layers`,
+    `target_hidden_size` = the target's n_embd, one decoder layer, its own LM head, the target's token
+    embeddings (no token_embd: llama.cpp reads them through ctx_other, as for EAGLE3-LLaMA3.1-8B).
+
+    Like the MTP block (_mtp_tensors) it predicts the token after next from both inputs. The encoder `fc` keeps
+    the third feature (the input of target layer layers[2], ~E[x_P]): g_P. At position P the decoder gets token
+    x_{P+1} and g_P. Its attention looks at its own position (q = k = 4 * the normed token embedding) and
+    passes that embedding through (v = it, o = identity); with norm_before_residual the residual is the normed
+    g. So its pre-norm output is ~E[x_{P+1}] + E[x_P] (fed back as g for chained drafts) and its head, rows
+    E[pred v] + E[pred pred v], picks succ[x_{P+1}] only when g belongs to the token before x_{P+1}.
+    `target_n_embd` / `layers` / `other_vocab` (two token texts swapped) let tests write a head that does not fit."""
+    import gguf
+
+    path = Path(path)
+    target_n_embd = target_n_embd or n_embd
+    hd = 16
+    n_head = n_embd // hd
+    n_ff = 2 * n_embd
+    e = _embeddings(seed, n_embd)
+    succ = successor_map(seed, cycle, n_tokens)
+    src = np.flatnonzero(succ >= 0)
+    pred = np.full(N_VOCAB, -1, dtype=np.int64)
+    pred[succ[src]] = src
+    head = np.zeros((N_VOCAB, n_embd), dtype=np.float32)
+    head[succ[src]] = HEAD_SCALE * (e[src] + e[pred[src]])
+    eye = np.eye(n_embd, dtype=np.float32)
+    zero = np.zeros((n_embd, n_embd), dtype=np.float32)
+    fc = np.zeros((n_embd, 3 * target_n_embd), dtype=np.float32)
+    fc[:, 2 * target_n_embd : 2 * target_n_embd + min(n_embd, target_n_embd)] = np.eye(n_embd, min(n_embd, target_n_embd))
+    w = _Weights(seed, 100, 0.0)
+    tensors = {
+        "fc.weight": fc,  # ggml {3 target_n_embd, n_embd}
+        "output_norm.weight": _ones(n_embd),
+        "output.weight": head,
+        "blk.0.attn_norm.weight": _ones(n_embd),
+        "blk.0.attn_norm_2.weight": _ones(n_embd),
+        "blk.0.attn_q.weight": np.concatenate([4 * eye, zero], axis=1),  # ggml {2 n_embd, n_head * hd}
+        "blk.0.attn_k.weight": np.concatenate([4 * eye, zero], axis=1),
+        "blk.0.attn_v.weight": np.concatenate([eye, zero], axis=1),
+        "blk.0.attn_output.weight": eye,
+        "blk.0.ffn_norm.weight": _ones(n_embd),
+        "blk.0.ffn_gate.weight": w.mat(n_ff, n_embd),
+        "blk.0.ffn_up.weight": w.mat(n_ff, n_embd),
+        "blk.0.ffn_down.weight": w.out(n_embd, n_ff),  # context 0: exactly zero
+    }
+    writer = gguf.GGUFWriter(str(path), "eagle3")
+    writer.add_string("general.name", "tiny-eagle3")
+    writer.add_uint32("general.file_type", {"f32": 0, "f16": 1, "q8_0": 7}[dtype])
+    for key, value in {"context_length": N_CTX_TRAIN, "embedding_length": n_embd, "block_count": 1,
+                       "feed_forward_length": n_ff, "attention.head_count": n_head,
+                       "attention.head_count_kv": n_head, "rope.dimension_count": hd, "vocab_size": N_VOCAB,
+                       "target_hidden_size": target_n_embd}.items():
+        writer.add_uint32(f"eagle3.{key}", value)
+    writer.add_float32("eagle3.rope.freq_base", 10000.0)
+    writer.add_float32("eagle3.attention.layer_norm_rms_epsilon", RMS_EPS)
+    writer.add_bool("eagle3.norm_before_residual", True)
+    writer.add_key_value("eagle3.target_layers", list(layers), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    for key, (vtype, sub, value) in tokenizer_metadata().items():
+        if other_vocab and key == "tokenizer.ggml.tokens":
+            value = list(value)
+            value[100], value[101] = value[101], value[100]
+        if vtype == _ARRAY:
+            writer.add_key_value(key, value if isinstance(value, list) else value.tolist(),
+                                 gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType(sub))
+        else:
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype))
+    big = gguf.GGMLQuantizationType(_DTYPES[dtype])
+    for name, data in tensors.items():
+        if name == "output.weight" and dtype != "f32":
+            writer.add_tensor(name, gguf.quants.quantize(data, big), raw_dtype=big)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     path.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
