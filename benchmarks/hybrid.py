@@ -5,9 +5,11 @@
     python benchmarks/hybrid.py --llama-bin PATH       # an already built llama-speculative-simple
 
 For each architecture (llama as the dense control; lfm2 and qwen35, whose recurrent state keeps snapshots;
-mamba2, which has none), tests/tiny_models.py writes a target whose blocks make the context matter and a
-cleaner same-architecture draft (same embeddings and successor map). The prompt is ~600 tokens of the
-models' own repetitive text. Greedy, --ignore-eos, 2 threads, 128 tokens. Each row is one fresh process:
+mamba2, which has none), tests/tiny_models.py writes a target (4 layers, width 512: a few ms a token, so
+the loops' own costs do not drown in the machine's jitter) whose blocks make the context matter, and a
+cleaner one-layer draft of the same architecture (same embeddings and successor map). The prompt is ~600
+tokens of the models' own repetitive text. Greedy, --ignore-eos, 2 threads, 128 tokens. Each row is the
+median of --reps fresh processes, the runs of one architecture interleaved:
 
 - specchat: a draft model at forced k = 4 (draft p-min 0, as llama.cpp's default) and with the adaptive
   policy; prompt lookup at forced k = 4 and with the policy; target only. Reported: generation tokens/s,
@@ -117,6 +119,9 @@ def main() -> None:
     ap.add_argument("--before", help="a git revision: run its code too, side by side")
     ap.add_argument("--llama-bin", type=Path, help="llama-speculative-simple (default: build it once)")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--n-embd", type=int, default=512)
+    ap.add_argument("--n-layer", type=int, default=4)
     a = ap.parse_args()
 
     binary = a.llama_bin
@@ -133,21 +138,34 @@ def main() -> None:
         codes = {"before": before, **codes}
     try:
         for arch in a.archs.split(","):
-            target, draft = tiny_models.write_pair(work / "models", arch)
+            models = work / "models"
+            size = dict(n_embd=a.n_embd, n_layer=a.n_layer)
+            target = tiny_models.write_model(models / f"{arch}-target.gguf", arch,
+                                             context=tiny_models.TARGET_CONTEXT[arch], **size)
+            draft = tiny_models.write_model(models / f"{arch}-draft.gguf", arch, context=tiny_models.DRAFT_CONTEXT[arch],
+                                            n_embd=a.n_embd, n_layer=1 if arch in ("llama", "mamba2") else 2)
             prompt = repetitive_prompt(target, arch)
-            print(f"\n## {arch}: target {target.name}, draft {draft.name}, prompt {N_PROMPT} tokens, -n {a.n}")
-            print(f"{'run':<28}{'tok/s':>8}{'drafted':>9}{'accepted':>9}{'re-reads':>9}  evaluated (target, draft)")
-            results = {}
-            for label, code in codes.items():
+            print(f"\n## {arch}: {a.n_layer} layers x {a.n_embd} target, a smaller draft, prompt {N_PROMPT} tokens, "
+                  f"-n {a.n}, median of {a.reps}")
+            print(f"{'run':<30}{'tok/s':>8}{'drafted':>9}{'accepted':>9}{'re-reads':>9}  evaluated (target, draft)")
+            runs: dict[tuple, list] = {}
+            for _ in range(a.reps):
+                for label, code in codes.items():
+                    for mode in a.modes.split(","):
+                        r = run_specchat(code, work / f"home-{label}", target, draft, mode, prompt, a.n)
+                        runs.setdefault(("specchat", label, mode), []).append(r)
+                for spec in ("draft-simple", "ngram-simple"):
+                    runs.setdefault(("llama.cpp", spec), []).append(run_llamacpp(binary, target, draft, spec, prompt, a.n))
+            median = {key: sorted(rs, key=lambda r: r["tps"])[len(rs) // 2] for key, rs in runs.items()}
+            for label in codes:
                 for mode in a.modes.split(","):
-                    r = run_specchat(code, work / f"home-{label}", target, draft, mode, prompt, a.n)
-                    results[(label, mode)] = r
-                    print(f"{'specchat ' + label + ' ' + mode:<28}{r['tps']:>8.1f}{r['drafted']:>9}{r['accepted']:>9}"
-                          f"{r['rereads']:>9}  {r['evaluated']}  memory {'/'.join(r['memory'])}", flush=True)
+                    r = median[("specchat", label, mode)]
+                    print(f"{'specchat ' + label + ' ' + mode:<30}{r['tps']:>8.1f}{r['drafted']:>9}{r['accepted']:>9}"
+                          f"{r['rereads']:>9}  {r['evaluated']}  memory {'/'.join(r['memory'])}")
             for spec, mode in (("draft-simple", "draft-k4"), ("ngram-simple", "lookup-policy")):
-                r = run_llamacpp(binary, target, draft, spec, prompt, a.n)
-                ours = results[("after", mode)]
-                print(f"{'llama.cpp ' + spec:<28}{r['tps']:>8.1f}{r['drafted'] or '-':>9}{r['accepted'] or '-':>9}"
+                r = median[("llama.cpp", spec)]
+                ours = median[("specchat", "after", mode)]
+                print(f"{'llama.cpp ' + spec:<30}{r['tps']:>8.1f}{r['drafted'] or '-':>9}{r['accepted'] or '-':>9}"
                       f"{'':>9}  specchat {mode} / llama.cpp = {ours['tps'] / r['tps']:.2f}x", flush=True)
     finally:
         if a.before:
