@@ -73,32 +73,14 @@ class DraftModel:
         return self.backend.n_ctx
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        draft = Draft()
-        room = self.backend.n_ctx - len(context)
-        k = min(k, room)
+        k = min(k, self.backend.n_ctx - len(context))
         if k <= 0:
-            return draft
+            return Draft()
         row = sync(self.backend, context, logits_last=True)
         if k > 1:  # the drafts evaluated next are cut after the verify (a recurrent model copies its state)
             self.backend.checkpoint()
-        history = list(context) if params.has_penalty else ()
-        confidence = 1.0
-        for i in range(k):
-            token, q, top = draft_token(row, params, history, rng, self.p_min)
-            # llama.cpp's --spec-draft-p-min: stop before a token the draft itself is unsure of
-            if top < self.p_min:
-                break
-            confidence = min(confidence, top)
-            draft.tokens.append(token)
-            draft.q.append(q)
-            if params.has_penalty:
-                history.append(token)
-            if i < k - 1:
-                row = self.backend.eval([token], [0], in_place=True)[0]
-        if len(draft.tokens) < self.draft_min:
-            return Draft()
-        draft.confidence = confidence
-        return draft
+        return draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(),
+                          lambda token: self.backend.eval([token], [0], in_place=True)[0])
 
 
 
@@ -208,33 +190,42 @@ class HeadDrafter:
         if k <= 0 or n <= self.shift:
             return Draft()
         row = self._catch_up(context, n, logits=True)
-        draft = Draft(source=self.kind)
-        history = list(context) if params.has_penalty else ()
-        confidence = 1.0
         try:
-            for i in range(k):
-                token, q, top = draft_token(row, params, history, rng, self.p_min)
-                if top < self.p_min:
-                    break
-                confidence = min(confidence, top)
-                draft.tokens.append(token)
-                draft.q.append(q)
-                if params.has_penalty:
-                    history.append(token)
-                if i < k - 1:
-                    row = self.head.eval([token], [0], states=self.head.hidden)[0]
+            return draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(source=self.kind),
+                              lambda token: self.head.eval([token], [0], states=self.head.hidden)[0])
         finally:
             self.head.truncate(n - self.shift)  # the draft entries carry the head's own rows, not the target's
-        if len(draft.tokens) < self.draft_min:
-            return Draft()
-        draft.confidence = confidence
-        return draft
 
 
 def reads_target(drafter) -> bool:
     """Whether a drafter reads the target's own context (a head, alone or in a hybrid): it cannot outlive
     the target's backend."""
     return isinstance(drafter, HeadDrafter) or isinstance(getattr(drafter, "model", None), HeadDrafter)
+
+
+def draft_loop(row: np.ndarray, k: int, context: Sequence[int], params: SamplingParams, rng: np.random.Generator,
+               p_min: float, draft_min: int, draft: Draft, next_row: Callable[[int], np.ndarray]) -> Draft:
+    """Up to k tokens drawn one at a time from a model's rows (a draft model's, a head's): `row` follows
+    the context, `next_row(token)` evaluates a drafted token and returns the row after it. Stops before a
+    token whose top probability is under p_min (llama.cpp's --spec-draft-p-min); fewer than draft_min
+    tokens make an empty draft."""
+    history = list(context) if params.has_penalty else ()
+    confidence = 1.0
+    for i in range(k):
+        token, q, top = draft_token(row, params, history, rng, p_min)
+        if top < p_min:  # the draft itself is unsure of this token
+            break
+        confidence = min(confidence, top)
+        draft.tokens.append(token)
+        draft.q.append(q)
+        if params.has_penalty:
+            history.append(token)
+        if i < k - 1:
+            row = next_row(token)
+    if len(draft.tokens) < draft_min:
+        return Draft()
+    draft.confidence = confidence
+    return draft
 
 
 def draft_token(row: np.ndarray, params: SamplingParams, history, rng: np.random.Generator,
