@@ -35,7 +35,7 @@ def _version(value: bool) -> None:
     if value:
         from . import __version__
 
-        print(f"specchat {__version__}")
+        typer.echo(f"specchat {__version__}")
         raise typer.Exit(0)
 
 
