@@ -502,3 +502,15 @@ def first_two_emitted(gen) -> tuple[int, int]:
                 break
     gen.close()
     return got[0], got[1]
+
+
+def assert_user_error(result, *needles: str):
+    """A command that failed as every bad input must: exit 2, one line on stderr, nothing on stdout."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("specchat: error: ")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert result.stdout == ""

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from fakes import assert_user_error
 
 from specchat.config import load_config
 from specchat.sources import resolve
@@ -27,15 +28,6 @@ def specchat(*args: str, home, stdin: str | None = None, env: dict | None = None
     )
 
 
-def assert_user_error(result, *needles: str):
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("specchat: error: ")
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert result.stdout == ""
 
 
 @pytest.fixture(scope="module")

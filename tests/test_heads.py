@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tiny_models
-from fakes import ALPHA, FakeBackend, chi2_pvalue
+from fakes import ALPHA, FakeBackend, assert_user_error, chi2_pvalue
 
 from specchat import Conversation
-from specchat.backend import BackendError, Eagle3Head, LlamaCppBackend, MemoryKind, MtpHead
+from specchat.backend import BackendError, Eagle3Head, MemoryKind, MtpHead
 from specchat.drafters import HeadDrafter
 from specchat.engine import Finished, StepEvent, TokenEvent, generate
 from specchat.policy import POLICIES, DraftModelPolicy, FixedPolicy
@@ -242,8 +242,7 @@ def quiet_mtp_file(tmp_path_factory):
                                    context=0.6, mtp=True)
 
 
-def backend(path, **kw) -> LlamaCppBackend:
-    return LlamaCppBackend(path, n_ctx=1024, n_threads=2, n_gpu_layers=0, **kw)
+backend = tiny_models.load
 
 
 def prompt(n: int = 20) -> list[int]:
@@ -275,15 +274,7 @@ def mtp_run(path, k: int, n: int = N, pair_offset: int = 0):
     return head_run("mtp", path, k, n, pair_offset)
 
 
-def teacher_forced_gaps(path, prompt_ids, generated) -> np.ndarray:
-    fresh = backend(path)
-    try:
-        sequence = list(prompt_ids) + list(generated)
-        first = len(prompt_ids) - 1
-        rows = fresh.eval(sequence[:-1], range(first, len(sequence) - 1))
-        return rows.max(axis=1) - rows[np.arange(len(generated)), generated]
-    finally:
-        fresh.close()
+teacher_forced_gaps = tiny_models.teacher_forced_gaps
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -434,14 +425,6 @@ def test_mtp_on_a_model_without_mtp_layers_is_a_clear_error(mtp_files):
 # -- the command line --------------------------------------------------------------------------------------
 
 
-def assert_user_error(result, *needles: str):
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("specchat: error: ")
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_cli_mtp_runs(cli, mtp_files, tmp_path):

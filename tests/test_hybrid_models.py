@@ -5,12 +5,10 @@ draft model, and the text is still the target's greedy choice."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import tiny_models
 
 from specchat import Conversation
-from specchat.backend import LlamaCppBackend
 from specchat.drafters import DraftModel, PromptLookup
 from specchat.engine import Finished, TokenEvent, generate
 from specchat.policy import FixedPolicy
@@ -38,8 +36,7 @@ def files(tmp_path_factory):
     return out
 
 
-def backend(path, **kw) -> LlamaCppBackend:
-    return LlamaCppBackend(path, n_ctx=1024, n_threads=2, n_gpu_layers=0, **kw)
+backend = tiny_models.load
 
 
 def prompt(n: int = 60) -> list[int]:
@@ -47,16 +44,7 @@ def prompt(n: int = 60) -> list[int]:
     return tiny_models.bigram_chain(int(tiny_models.cycle_tokens()[0]), n)
 
 
-def teacher_forced_gaps(path, prompt_ids, generated) -> np.ndarray:
-    """(best logit) - (emitted token's logit) at each generated position, from one fresh evaluation."""
-    fresh = backend(path)
-    try:
-        sequence = list(prompt_ids) + list(generated)
-        first = len(prompt_ids) - 1
-        rows = fresh.eval(sequence[:-1], range(first, len(sequence) - 1))
-        return rows.max(axis=1) - rows[np.arange(len(generated)), generated]
-    finally:
-        fresh.close()
+teacher_forced_gaps = tiny_models.teacher_forced_gaps
 
 
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)

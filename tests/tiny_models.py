@@ -536,20 +536,35 @@ def write_model(
             writer.add_float32(full, value)
         else:
             writer.add_uint32(full, int(value))
+    _write_tokenizer(writer)
+    return _write_tensors(writer, path, tensors, dtype,
+                          ("token_embd.weight", "output.weight", _SHARED_HEAD.format(n_layer)))
+
+
+def _write_tokenizer(writer, edit=None) -> None:
+    """The SmolLM2 tokenizer's keys; `edit(key, value)` may change a value on the way."""
+    import gguf
+
     for key, (vtype, sub, value) in tokenizer_metadata().items():
+        if edit is not None:
+            value = edit(key, value)
         if vtype == _ARRAY:
             writer.add_key_value(key, value if isinstance(value, list) else value.tolist(),
                                  gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType(sub))
         else:
             writer.add_key_value(key, value, gguf.GGUFValueType(vtype))
 
+
+def _write_tensors(writer, path: Path, tensors: dict[str, np.ndarray], dtype: str, quantized) -> Path:
+    """The tensors (those named in `quantized` in `dtype`, the rest f32), then the file itself."""
+    import gguf
+
     big = gguf.GGMLQuantizationType(_DTYPES[dtype])
     for name, data in tensors.items():
-        if name in ("token_embd.weight", "output.weight", _SHARED_HEAD.format(n_layer)) and dtype != "f32":
+        if name in quantized and dtype != "f32":
             writer.add_tensor(name, gguf.quants.quantize(data, big), raw_dtype=big)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-
     path.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -632,27 +647,15 @@ def write_eagle3(
     writer.add_float32("eagle3.attention.layer_norm_rms_epsilon", RMS_EPS)
     writer.add_bool("eagle3.norm_before_residual", True)
     writer.add_key_value("eagle3.target_layers", list(layers), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-    for key, (vtype, sub, value) in tokenizer_metadata().items():
+
+    def swap_two_tokens(key, value):  # another vocabulary: token texts 100 and 101 trade places
         if other_vocab and key == "tokenizer.ggml.tokens":
             value = list(value)
             value[100], value[101] = value[101], value[100]
-        if vtype == _ARRAY:
-            writer.add_key_value(key, value if isinstance(value, list) else value.tolist(),
-                                 gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType(sub))
-        else:
-            writer.add_key_value(key, value, gguf.GGUFValueType(vtype))
-    big = gguf.GGMLQuantizationType(_DTYPES[dtype])
-    for name, data in tensors.items():
-        if name == "output.weight" and dtype != "f32":
-            writer.add_tensor(name, gguf.quants.quantize(data, big), raw_dtype=big)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        return value
+
+    _write_tokenizer(writer, swap_two_tokens)
+    return _write_tensors(writer, path, tensors, dtype, ("output.weight",))
 
 
 def write_pair(directory: str | os.PathLike, arch: str, *, draft_arch: str | None = None, seed: int = 0,
@@ -667,3 +670,27 @@ def write_pair(directory: str | os.PathLike, arch: str, *, draft_arch: str | Non
     draft_path = directory / f"{draft_arch}-c{dctx:g}-s{seed}.gguf"
     draft = write_model(draft_path, draft_arch, context=dctx, seed=seed, **kwargs)
     return target, draft
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running them in tests
+
+
+def load(path, **kw):
+    """A specchat backend over a tiny model, as the tests run them (CPU, 2 threads, 1024 tokens)."""
+    from specchat.backend import LlamaCppBackend
+
+    return LlamaCppBackend(path, n_ctx=1024, n_threads=2, n_gpu_layers=0, **kw)
+
+
+def teacher_forced_gaps(path, prompt_ids, generated) -> np.ndarray:
+    """(best logit) - (emitted token's logit) at each generated position, from one fresh evaluation."""
+    fresh = load(path)
+    try:
+        sequence = list(prompt_ids) + list(generated)
+        first = len(prompt_ids) - 1
+        rows = fresh.eval(sequence[:-1], range(first, len(sequence) - 1))
+        return rows.max(axis=1) - rows[np.arange(len(generated)), generated]
+    finally:
+        fresh.close()
+
