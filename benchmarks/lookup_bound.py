@@ -87,7 +87,7 @@ def replay_seconds(prompt: list[int], reply: list[int], cost: CostModel, overhea
     while i < len(reply):
         k = policy.plan(len(reply) - i - 1)
         tokens, match = lookup.find(np.asarray(context, dtype=np.int64), k) if k > 0 else ([], 0)
-        n_send = policy.trim(tokens, float(match), "prompt-lookup") if tokens else 0
+        n_send = policy.trim(lookup.draft(tokens, match)) if tokens else 0
         drafts = tokens[:n_send]
         accepted = agreeing(drafts, reply, i)
         emitted = reply[i : i + accepted + 1]

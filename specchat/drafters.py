@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -17,8 +17,13 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     # q[i]: the processed distribution tokens[i] was drawn from; None = deterministic proposal (one-hot)
     q: list[Dist | None] = field(default_factory=list)
-    # how good the source looked: prompt lookup's matched n-gram length, a draft model's top probability
+    # a draft model's lowest top probability over its tokens (how sure it was)
     confidence: float = 0.0
+    # prompt lookup's evidence: the matched n-gram length, and of the earlier occurrences compared, how
+    # many (`agree` of `seen`) went on with the same token as this draft
+    match_len: int = 0
+    agree: int = 0
+    seen: int = 0
     # who drafted: "draft-model", "prompt-lookup" (the context), "history" (earlier replies), "mtp" / "eagle3" (a head)
     source: str = "draft-model"
 
@@ -243,43 +248,199 @@ def draft_token(row: np.ndarray, params: SamplingParams, history, rng: np.random
     return token, q, top
 
 
-def longest_match(hay: np.ndarray, n_hay: int, ids: np.ndarray, max_len: int,
-                  usable: np.ndarray | None = None) -> tuple[int, int]:
-    """(position in hay, length) of the longest run ending at a position p < n_hay that equals the tail of
-    `ids`, latest p among equals; (-1, 0) when ids[-1] occurs nowhere. One pass: the positions that
-    match ids[-1] are found once, then only the survivors are extended backwards. Negative hay values
-    (separators) never match a token; `usable` (a mask over hay) excludes positions with nothing after them."""
-    last = len(ids) - 1
-    starts = np.flatnonzero(hay[:n_hay] == ids[last])
-    if usable is not None:
-        starts = starts[usable[starts]]
-    if len(starts) == 0:
-        return -1, 0
-    length = 1
-    best = starts
-    max_len = min(max_len, len(ids))
-    while length < max_len and len(starts) > 1:
-        starts = starts[starts >= length]
-        starts = starts[hay[starts - length] == ids[last - length]]
-        if len(starts) == 0:
-            break
-        length += 1
-        best = starts
-    if len(starts) == 1 and length < max_len:
-        # one candidate left: its whole match in one comparison of two slices, not a numpy round per
-        # token (a 32-token match inside a copied span would cost ~6 calls a token, each slow after a decode)
-        p = int(starts[0])
-        span = min(max_len, p + 1)
-        differs = np.flatnonzero(hay[p - span + 1 : p + 1][::-1] != ids[last - span + 1 : last + 1][::-1])
-        return p, int(differs[0]) if len(differs) else span
-    return int(best[-1]), length
+SEPARATOR = -1  # between the replies of an n-gram history: matches no token, ends every continuation
+ORDER = 4  # n-grams up to this length are indexed; longer matches extend a 4-gram's, token by token
+CANDIDATES = 16  # the latest occurrences of the tail's n-gram that are compared: a step's cost is bounded
+
+
+class NgramIndex:
+    """Where every n-gram (n = 1..ORDER) of a token stream ends, kept up to date as tokens arrive (and
+    are cut), so a lookup costs the same at 32k tokens of context as at 500: the tail's n-gram gives its
+    latest occurrence at once, each occurrence the one before it, and only the latest CANDIDATES are
+    extended backwards into a full match. This is the context's index; a frozen stream (earlier replies)
+    uses FrozenNgramIndex.
+
+    Only ints are stored (an n-gram packed into one int, a chain of earlier positions per order), no
+    container per n-gram: the garbage collector walks every live container now and then, and a list per
+    n-gram of a 32k-token context made each step ten times slower than at 500 tokens."""
+
+    def __init__(self, tokens: Sequence[int] = ()):
+        self.ids: list[int] = []
+        self._latest: list[dict[int, int]] = [{} for _ in range(ORDER)]  # packed n-gram -> latest end
+        self._before: list[list[int]] = [[] for _ in range(ORDER)]  # end p -> the same n-gram's end before p
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        ids, latest, before = self.ids, self._latest, self._before
+        for token in tokens:
+            token = int(token)
+            ids.append(token)
+            p = len(ids) - 1
+            key = 0
+            for n in range(ORDER):
+                back = ids[p - n] if p >= n else SEPARATOR
+                if back == SEPARATOR:  # no n-gram across a separator or the start: nothing before p
+                    for m in range(n, ORDER):
+                        before[m].append(-1)
+                    break
+                key = (key << _BITS) | back
+                before[n].append(latest[n].get(key, -1))
+                latest[n][key] = p
+
+    def truncate(self, n: int) -> None:
+        """Forget the tokens from position n on (a rewritten turn, a regenerated reply)."""
+        ids, latest, before = self.ids, self._latest, self._before
+        for p in range(len(ids) - 1, n - 1, -1):
+            key = 0
+            for order in range(ORDER):
+                back = ids[p - order] if p >= order else SEPARATOR
+                if back == SEPARATOR:
+                    break
+                key = (key << _BITS) | back
+                if before[order][p] < 0:
+                    del latest[order][key]
+                else:
+                    latest[order][key] = before[order][p]
+        del ids[n:]
+        for chain in before:
+            del chain[n:]
+
+    def follow(self, context: Sequence[int]) -> None:
+        """Hold exactly `context`: index what it adds to the tokens held, after cutting where it differs
+        (once per turn; within a reply the context only grows)."""
+        held = len(self.ids)
+        if len(context) >= held and held and context[held - 1] == self.ids[-1] and context[0] == self.ids[0]:
+            # the engine's context list only grows inside a generation: checking the ends is enough there;
+            # anything else (a new turn, a test's list) is compared in full once
+            if context is self._followed or _same(context, self.ids):
+                self.extend(context[held:])
+                self._followed = context
+                return
+        common = _common_prefix(context, self.ids)
+        self.truncate(common)
+        self.extend(context[common:])
+        self._followed = context
+
+    _followed: Sequence[int] | None = None
+
+    def latest(self, gram: Sequence[int]) -> Iterator[int]:
+        """End positions of `gram` (at most ORDER tokens), newest first."""
+        key = 0
+        for token in reversed(gram):
+            key = (key << _BITS) | token
+        order = len(gram) - 1
+        p = self._latest[order].get(key, -1)
+        chain = self._before[order]
+        while p >= 0:
+            yield p
+            p = chain[p]
+
+
+_BITS = 32  # a token id packed per n-gram position: vocabularies are far below 2**32
+
+
+def _same(context: Sequence[int], ids: list[int]) -> bool:
+    n = len(ids)
+    return np.array_equal(np.asarray(context[:n], dtype=np.int64), np.asarray(ids, dtype=np.int64))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differs = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differs[0]) if len(differs) else n
+
+
+class FrozenNgramIndex:
+    """The same lookups over a stream that never changes (earlier replies, up to 64k tokens), built in one
+    pass of numpy at load rather than a Python loop per token: each n-gram's hash, sorted once, and a
+    binary search per lookup. Hash collisions are harmless: every candidate's tokens are compared."""
+
+    _MULT = np.int64(1_000_003)
+
+    def __init__(self, ids: np.ndarray):
+        self.ids: list[int] = ids.tolist()
+        self._sorted: list[tuple[np.ndarray, np.ndarray]] = []
+        arr = ids.astype(np.int64)
+        n_ids = len(arr)
+        key = np.zeros(n_ids, dtype=np.int64)
+        valid = np.ones(n_ids, dtype=bool)
+        for n in range(1, ORDER + 1):
+            # key[p] of the n-gram ending at p, from the (n-1)-gram's: the token n-1 places back joins it
+            back = np.full(n_ids, SEPARATOR, dtype=np.int64)
+            back[n - 1 :] = arr[: n_ids - n + 1]
+            with np.errstate(over="ignore"):
+                key = key * self._MULT + back + 2
+            valid &= back != SEPARATOR
+            ends = np.flatnonzero(valid)
+            order = np.argsort(key[ends], kind="stable")  # equal keys stay oldest first
+            self._sorted.append((key[ends][order], ends[order]))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def latest(self, gram: Sequence[int]) -> Iterator[int]:
+        """End positions of `gram`, newest first."""
+        key = np.int64(0)
+        with np.errstate(over="ignore"):
+            for token in reversed(gram):  # the same recurrence as __init__: the last token first
+                key = key * self._MULT + np.int64(token + 2)
+        keys, ends = self._sorted[len(gram) - 1]
+        lo, hi = np.searchsorted(keys, key, side="left"), np.searchsorted(keys, key, side="right")
+        return reversed(ends[lo:hi].tolist())
+
+
+@dataclass
+class Match:
+    """The longest earlier occurrence of the context's tail found in an index: where it ends, how many
+    tokens match (the evidence a policy weighs), and how many of the occurrences compared (`seen`) went
+    on with the same next token (`agree`): a continuation that held every time it came up deserves trust."""
+
+    end: int = -1
+    length: int = 0
+    agree: int = 0
+    seen: int = 0
+
+
+def find_match(index: NgramIndex | FrozenNgramIndex, tail: Sequence[int], before: int, max_len: int) -> Match:
+    """The longest match of `tail`'s end among the latest CANDIDATES occurrences of its longest indexed
+    n-gram that end before position `before` and have a token after them, latest first among equals."""
+    ids = index.ids
+    n_tail = len(tail)
+    for order in range(min(ORDER, n_tail, max_len), 0, -1):
+        gram = [int(t) for t in tail[n_tail - order :]]
+        best = Match()
+        compared: list[int] = []
+        for p in index.latest(gram):
+            if p >= before or ids[p + 1] == SEPARATOR:
+                continue
+            compared.append(p)
+            if best.length < max_len:  # else the latest full-length match cannot be beaten: only counted
+                length = order
+                limit = min(max_len, n_tail, p + 1)
+                while length < limit and ids[p - length] == tail[n_tail - 1 - length]:
+                    length += 1
+                if length > best.length:
+                    best = Match(p, length)
+            if len(compared) >= CANDIDATES:
+                break
+        if compared:
+            following = ids[best.end + 1]
+            best.seen = len(compared)
+            best.agree = sum(ids[p + 1] == following for p in compared)
+            return best
+    return Match()
 
 
 class NgramHistory:
     """Token streams of this user's earlier replies (chat transcripts, report runs), searched when the
     context has no match as long: llama.cpp's lookup caches (`--lookup-cache-dynamic`), without a
-    separate file format. Streams are joined with -1 separators, which no token matches, and only the
-    latest `max_tokens` are kept so a step's search stays well under a millisecond."""
+    separate file format. Streams are joined with separators, which no token matches, and only the
+    latest `max_tokens` are kept."""
 
     def __init__(self, streams: Sequence[Sequence[int]], max_tokens: int = 1 << 16):
         parts: list[np.ndarray] = []
@@ -288,33 +449,44 @@ class NgramHistory:
             if total >= max_tokens:
                 break
             arr = np.asarray(stream, dtype=np.int64)[-(max_tokens - total):]
-            parts.append(np.append(arr, -1))
+            parts.append(np.append(arr, SEPARATOR))
             total += len(arr) + 1
-        self.ids = np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
-        self._continues = np.append(self.ids[1:] >= 0, False)  # a match at the end of a reply proposes nothing
+        ids = np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
+        self.index = FrozenNgramIndex(ids)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.index.ids
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.index)
 
-    def find(self, ids: np.ndarray, k: int, max_len: int) -> tuple[list[int], int]:
-        if len(self.ids) < 2 or len(ids) == 0:
-            return [], 0
-        pos, length = longest_match(self.ids, len(self.ids) - 1, ids, max_len, self._continues)
-        if length == 0:
-            return [], 0
-        follow = self.ids[pos + 1 : pos + 1 + k]
-        cut = np.flatnonzero(follow < 0)  # a continuation ends where its reply ended
-        if len(cut):
-            follow = follow[: cut[0]]
-        return follow.tolist(), length
+    def find(self, tail: Sequence[int], k: int, max_len: int) -> tuple[list[int], Match]:
+        """(continuation of up to k tokens, the match) for the end of `tail`; a continuation ends where
+        its reply ended."""
+        if len(self.index) < 2 or len(tail) == 0:
+            return [], Match()
+        match = find_match(self.index, tail, len(self.index) - 1, max_len)
+        if match.length == 0:
+            return [], match
+        ids = self.index.ids
+        follow = ids[match.end + 1 : match.end + 1 + k]
+        if SEPARATOR in follow:
+            follow = follow[: follow.index(SEPARATOR)]
+        return follow, match
 
 
 class PromptLookup:
     """Prompt lookup decoding (Saxena 2023; llama.cpp's ngram-simple): find the latest earlier occurrence
     of the longest suffix of the context (up to max_ngram tokens, at least min_ngram) and propose what
-    followed it. The match length is the evidence the policy weighs: a 24-token match predicts a long
-    accepted run, a 1-token one hardly anything. With a `history`, earlier replies are searched too and
-    win when their match is longer."""
+    followed it. A match close to the end of the context is a loop, and its continuation runs on around
+    the loop (what llama.cpp's ngram-mod drafts a token at a time), not just to the end of the context.
+
+    The evidence goes with the draft for the policy to weigh: the match length (a 24-token match predicts
+    a long accepted run, a 1-token one hardly anything), how often the continuation held before (`agree`
+    of `seen`), and whether the match is in this conversation or in earlier replies (`history`, searched
+    too and winning when its match is longer). The context is indexed as it grows (NgramIndex), so a
+    step costs the same however long the conversation is."""
 
     kind = "prompt-lookup"
     backend = None  # nothing to evaluate: proposals cost no model time
@@ -327,11 +499,13 @@ class PromptLookup:
         self.max_ngram = max_ngram
         self.draft_min = draft_min
         self.history = history
+        self.index = NgramIndex()
         self.last_match = 0  # n-gram length of the last proposal (0 = none found)
         self.last_from_history = False
+        self.last = Match()  # the last lookup's match, with its agreement counts
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
-        pass
+        self.index.follow(prompt_ids)
 
     def room(self) -> int:
         return 1 << 30
@@ -339,21 +513,30 @@ class PromptLookup:
     def find(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """(continuation of up to k tokens, matched n-gram length), longest match first, latest first;
         the context before the history when their matches are as long."""
-        ids = context if isinstance(context, np.ndarray) else np.asarray(context, dtype=np.int64)
-        self.last_from_history = False
-        tokens, length = [], 0
+        self.index.follow(context)
+        ids = self.index.ids
         end = len(ids) - 1
-        if end >= self.min_ngram:
-            pos, length = longest_match(ids, end, ids, self.max_ngram)
-            tokens = ids[pos + 1 : pos + 1 + k].tolist() if length else []
-        if self.history is not None and length < self.max_ngram:
-            h_tokens, h_length = self.history.find(ids, k, self.max_ngram)
-            if h_length > length and h_tokens:
-                tokens, length = h_tokens, h_length
+        self.last_from_history = False
+        tail = ids[max(0, end + 1 - self.max_ngram) :]
+        match = find_match(self.index, tail, end, self.max_ngram) if end >= 1 else Match()
+        tokens: list[int] = []
+        if match.length:
+            # x[end + 1 + i] = x[match.end + 1 + i]: past the end of the context that is a token proposed
+            # here, so the continuation repeats with the period end - match.end
+            period = end - match.end
+            start = match.end + 1
+            tokens = ids[start : start + min(k, period)]
+            while len(tokens) < k:
+                tokens += tokens[: k - len(tokens)]
+        if self.history is not None and match.length < self.max_ngram:
+            h_tokens, h_match = self.history.find(tail, k, self.max_ngram)
+            if h_match.length > match.length and h_tokens:
+                tokens, match = h_tokens, h_match
                 self.last_from_history = True
-        if length < self.min_ngram:
+        self.last = match
+        if match.length < self.min_ngram:
             return [], 0
-        return tokens, length
+        return tokens, match.length
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         if k <= 0:
@@ -362,8 +545,13 @@ class PromptLookup:
         self.last_match = n
         if len(tokens) < max(1, self.draft_min):
             return Draft()
+        return self.draft(tokens, n)
+
+    def draft(self, tokens: list[int], match_len: int) -> Draft:
+        """The last lookup's tokens as a Draft, with its evidence."""
         source = "history" if self.last_from_history else "prompt-lookup"
-        return Draft(tokens=tokens, q=[None] * len(tokens), confidence=float(n), source=source)
+        return Draft(tokens=tokens, q=[None] * len(tokens), match_len=match_len, agree=self.last.agree,
+                     seen=self.last.seen, source=source)
 
 
 class HybridDrafter:
@@ -378,10 +566,16 @@ class HybridDrafter:
         self.lookup = lookup
         self.model = model
         self.backend = model.backend  # the KV cache a caller must reset, the cost a policy measures
-        # (match length, tokens found, limit, from history) -> (source, k): the policy's `choose`
-        self.choose: Callable[[int, int, int, bool], tuple[str, int]] | None = None
+        # (lookup's draft, limit) -> (source, k): the policy's `choose` (see use_policy)
+        self.choose: Callable[[Draft, int], tuple[str, int]] | None = None
+
+    def use_policy(self, policy) -> None:
+        """Let `policy` choose between lookup's match and the model each step. A chat swaps policies
+        (/draft), so this is a method, not a constructor argument."""
+        self.choose = policy.choose
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
+        self.lookup.prefill(prompt_ids)
         self.model.prefill(prompt_ids)
 
     def room(self) -> int:
@@ -392,13 +586,14 @@ class HybridDrafter:
             return Draft()
         tokens, n = self.lookup.find(context, k)
         self.lookup.last_match = n
+        found = self.lookup.draft(tokens, n) if tokens else Draft()
         if self.choose is not None:
-            source, k = self.choose(n, len(tokens), k, self.lookup.last_from_history)
+            source, k = self.choose(found, k)
         else:
             source = "prompt-lookup" if tokens else "draft-model"
         if source == "prompt-lookup" and tokens:
-            origin = "history" if self.lookup.last_from_history else "prompt-lookup"
-            return Draft(tokens=tokens[:k], q=[None] * min(k, len(tokens)), confidence=float(n), source=origin)
+            found.tokens, found.q = found.tokens[:k], found.q[:k]
+            return found
         if source == "draft-model" and k > 0:
             return self.model.propose(context, k, params, rng)
         return Draft()

@@ -136,7 +136,7 @@ def generate(
             t0 = time.perf_counter()
             draft = drafter.propose(context, k, params, rng) if k > 0 else Draft()
             proposed = draft.tokens
-            n_send = policy.trim(proposed, draft.confidence, draft.source) if proposed else 0
+            n_send = policy.trim(draft) if proposed else 0
             drafts, q = proposed[:n_send], draft.q[:n_send]
             t1 = time.perf_counter()
             rollback_before = target.rollback_seconds

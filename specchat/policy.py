@@ -34,6 +34,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from .backend import Backend
+from .drafters import Draft
 from .stats import StepStats
 
 # Batch sizes timed at calibration, and the only sizes the adaptive policy sends (see CostModel.measured):
@@ -53,6 +54,10 @@ DRAFT_MARGIN = 1.04
 # report's prompts on their target-only replies, sends predicted to gain 4-10% lost time on
 # smollm2-135m (0.97x in the worst category, 1.00x at 1.1), and gemma-3-270m was no slower at 1.1.
 LOOKUP_MARGIN = 1.1
+# What a draft from earlier replies (another conversation) may send until it has earned more: each one
+# accepted whole doubles it, a miss brings it back. Their estimates come from other prompts, and a
+# 55-token draft of an unrelated reply once made a run slower than plain decoding.
+HISTORY_FIRST = 4
 DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it
 
 
@@ -61,8 +66,8 @@ class Policy(Protocol):
     def plan(self, limit: int) -> int:
         """Most tokens the drafter should propose now (0 = do not call it), at most `limit`."""
 
-    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
-        """How many of the proposed tokens to send to the target (`source`: the Draft's)."""
+    def trim(self, draft: Draft) -> int:
+        """How many of the draft's tokens to send to the target."""
 
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
         """The step's outcome: what the drafter proposed (before trimming) and the tokens emitted."""
@@ -86,8 +91,8 @@ class FixedPolicy:
     def plan(self, limit: int) -> int:
         return max(0, min(self.k, limit))
 
-    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
-        return len(tokens)
+    def trim(self, draft: Draft) -> int:
+        return len(draft.tokens)
 
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
         pass
@@ -414,49 +419,58 @@ def _bucket(length: int) -> int:
 
 class LookupAcceptance:
     """P(the next copied token is right | the match so far is m tokens long), per bucket of m, as
-    decayed counts, kept apart for matches in the context and in earlier replies, and for a token that
-    follows a correct lookup token (inside a span being copied) or not (a fresh match: after a miss, or
-    the first of a run).
+    decayed counts, kept apart for matches in the context and in earlier replies, and by the state of
+    the token: it follows a correct lookup token (inside a span being copied), or it starts a fresh match
+    (after a miss, or the first of a run), or a fresh match whose continuation held every time the
+    n-gram came up before, at least twice (`repeated`: a loop, a repeated phrase).
 
     Draft position i of an m-token match, reached with every draft before it accepted, continues an
-    (m + i)-token match inside a span, so a_0 = A(m | fresh or not), a_i = A(m + i | in span): every
-    verified or shadow-checked token teaches one bucket, and a long match predicts a long accepted run
-    by itself. The fresh/in-span split is what keeps a spurious short match (a common phrase, right
-    after the reply left the text it was copying) from borrowing the record of tokens inside copied spans."""
+    (m + i)-token match inside a span, so a_0 = A(m | state), a_i = A(m + i | in span): every verified or
+    shadow-checked token teaches one bucket, and a long match predicts a long accepted run by itself. The
+    states keep a spurious short match (a common phrase, right after the reply left the text it was
+    copying) from borrowing the record of tokens inside copied spans, and let a continuation that has held
+    three times in a loop be trusted at once."""
 
     DECAY = 0.95  # per observation of a bucket: about the last twenty count, so it follows the reply
     PRIOR_WEIGHT = 2.0
-    # [history][after a miss][bucket]: an earlier reply is weaker evidence, a fresh match weaker than a
-    # span being followed
-    PRIOR = LOOKUP_PRIOR * np.array([1.0, 0.8])[:, None, None] * np.array([1.0, 0.7])[None, :, None]
+    IN_SPAN, FRESH, REPEATED = 0, 1, 2
+    # [history][state][bucket]: an earlier reply is weaker evidence, a fresh match weaker than a span being
+    # followed, a repeated continuation in between
+    PRIOR = LOOKUP_PRIOR * np.array([1.0, 0.8])[:, None, None] * np.array([1.0, 0.7, 0.9])[None, :, None]
     _prior = PRIOR.tolist()
 
     def __init__(self) -> None:
-        shape = (2, 2, len(LOOKUP_BUCKETS))  # [from history][after a miss][bucket]
+        shape = (2, 3, len(LOOKUP_BUCKETS))  # [from history][state][bucket]
         self.hits = np.zeros(shape)
         self.tries = np.zeros(shape)
         self.after_miss = True  # the run's first lookup token is a fresh match
+        self.repeated = False  # the current proposal's continuation held each time before (see Draft.agree)
         self._table: list = []  # the estimates as nested lists: read every step, see best_length
         self._refresh()
 
     def _refresh(self) -> None:
-        """[history][after a miss][bucket] -> the estimate, from the counts."""
+        """[history][state][bucket] -> the estimate, from the counts."""
         self._table = ((self.hits + self.PRIOR_WEIGHT * self.PRIOR) / (self.tries + self.PRIOR_WEIGHT)).tolist()
+
+    def _state(self) -> int:
+        if not self.after_miss:
+            return self.IN_SPAN
+        return self.REPEATED if self.repeated else self.FRESH
 
     def rates(self, match: int, n: int, history: bool = False) -> list[float]:
         if n <= 0:
             return []
         table = self._table[int(history)]
-        span = table[0]
-        return [table[int(self.after_miss)][_bucket(match)]] + [span[_bucket(match + i)] for i in range(1, n)]
+        span = table[self.IN_SPAN]
+        return [table[self._state()][_bucket(match)]] + [span[_bucket(match + i)] for i in range(1, n)]
 
     def add(self, match: int, hit: bool, history: bool = False) -> None:
         """One checked token: the proposal continuing an m-token match was right or wrong."""
-        h, m, b = int(history), int(self.after_miss), _bucket(match)
-        hits = float(self.hits[h, m, b]) * self.DECAY + hit
-        tries = float(self.tries[h, m, b]) * self.DECAY + 1.0
-        self.hits[h, m, b], self.tries[h, m, b] = hits, tries
-        self._table[h][m][b] = (hits + self.PRIOR_WEIGHT * self._prior[h][m][b]) / (tries + self.PRIOR_WEIGHT)
+        h, s, b = int(history), self._state(), _bucket(match)
+        hits = float(self.hits[h, s, b]) * self.DECAY + hit
+        tries = float(self.tries[h, s, b]) * self.DECAY + 1.0
+        self.hits[h, s, b], self.tries[h, s, b] = hits, tries
+        self._table[h][s][b] = (hits + self.PRIOR_WEIGHT * self._prior[h][s][b]) / (tries + self.PRIOR_WEIGHT)
         self.after_miss = not hit
 
     def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
@@ -490,7 +504,7 @@ class AcceptanceStore:
     (target file, drafter). Written atomically at the end of each generation; a missing, corrupt or
     foreign file (or entry) is ignored and overwritten, never an error."""
 
-    VERSION = 3
+    VERSION = 4
     TRUST = 8.0  # observations a saved estimate counts as (per position or bucket), however many it had
 
     def __init__(self, path: Path, key: str, label: str = ""):
@@ -658,8 +672,8 @@ class DraftModelPolicy(AdaptivePolicy):
         n, _ = self._model_best(limit)
         return n
 
-    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
-        return len(tokens)
+    def trim(self, draft: Draft) -> int:
+        return len(draft.tokens)
 
     def _why_not(self) -> str:
         if not self.model_possible:
@@ -681,6 +695,11 @@ class DraftModelPolicy(AdaptivePolicy):
         self._learn_model(step)
 
 
+def repeated(draft: Draft) -> bool:
+    """Whether lookup's continuation held every time its n-gram came up before, at least twice."""
+    return draft.agree >= 2 and draft.agree == draft.seen
+
+
 class LookupPolicy(AdaptivePolicy):
     """Prompt lookup: its proposal costs nothing, so look first (plan = the limit) and trim the match to
     what its length predicts (LookupAcceptance). Proposals not sent are checked against what the target
@@ -695,6 +714,7 @@ class LookupPolicy(AdaptivePolicy):
         # proposed tokens not sent to the target, checked against what it emits: free evidence
         self._shadow: list[int] = []
         self._shadow_match: tuple[int, bool] = (0, False)  # match length the shadow's first token continues
+        self.history_earned = HISTORY_FIRST
 
     def _drafting_possible(self) -> bool:
         return True  # lookup is free: always worth looking
@@ -703,6 +723,8 @@ class LookupPolicy(AdaptivePolicy):
         return {**super()._estimates(), "lookup": self.lookup}
 
     def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
+        if history:  # another conversation's text earns its length in this one (see HISTORY_FIRST)
+            n_tokens = min(n_tokens, self.history_earned)
         return best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead,
                            LOOKUP_MARGIN, self.rollback)
 
@@ -715,11 +737,13 @@ class LookupPolicy(AdaptivePolicy):
         return (f"draft off: the lookup matches were too short to pay for a 4-token verify that costs "
                 f"{self._steps_cost(4):.1f} steps here")
 
-    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
-        if not tokens:
+    def trim(self, draft: Draft) -> int:
+        if not draft.tokens:
             return 0
-        self._match = (int(confidence), source == "history")
-        n, _ = self._lookup_best(int(confidence), len(tokens), source == "history")
+        history = draft.source == "history"
+        self._match = (draft.match_len, history)
+        self.lookup.repeated = repeated(draft)
+        n, _ = self._lookup_best(draft.match_len, len(draft.tokens), history)
         return n
 
     def observe(self, step: StepStats, proposed: Sequence[int], emitted: Sequence[int]) -> None:
@@ -737,6 +761,9 @@ class LookupPolicy(AdaptivePolicy):
         if step.drafted:
             # a real verification supersedes any shadow over the same tokens
             self.lookup.record(length, step.accepted, step.drafted, history)
+            if history:  # a draft from earlier replies taken whole doubles what the next may send
+                self.history_earned = (min(2 * self.history_earned, self.draft_max) if step.accepted == step.drafted
+                                       else max(HISTORY_FIRST, step.accepted))
             self._shadow = []
         else:
             overlap = min(len(proposed), len(self._shadow))
@@ -774,13 +801,16 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
         self._source = "prompt-lookup"  # this step's, set by choose()
         self._lookup_n = 0  # how many of lookup's tokens `choose` decided to send
 
-    def choose(self, match: int, n_tokens: int, limit: int, from_history: bool = False) -> tuple[str, int]:
-        """("prompt-lookup", n) to send n of lookup's tokens, ("draft-model", k) to have the model
-        draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup wins ties:
-        its drafts cost nothing, so a long match beats the model even where the model's tokens are cheap."""
-        lookup_n, lookup_rate = (0, 0.0) if n_tokens <= 0 else self._lookup_best(match, n_tokens, from_history)
+    def choose(self, found: Draft, limit: int) -> tuple[str, int]:
+        """("prompt-lookup", n) to send n of lookup's tokens (`found`, maybe none), ("draft-model", k) to
+        have the model draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup
+        wins ties: its drafts cost nothing, so a long match beats the model even where the model's tokens
+        are cheap."""
+        history = found.source == "history"
+        self.lookup.repeated = repeated(found)
+        lookup_n, lookup_rate = (0, 0.0) if not found.tokens else self._lookup_best(found.match_len, len(found.tokens), history)
         model_n, model_rate = self._model_best(limit)
-        self._match = (match, from_history) if n_tokens > 0 else None
+        self._match = (found.match_len, history) if found.tokens else None
         if lookup_n > 0 and lookup_rate >= model_rate:
             self._source, self._lookup_n = "prompt-lookup", lookup_n
             return "prompt-lookup", lookup_n
@@ -790,10 +820,10 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
         self._source = "none"
         return "none", 0
 
-    def trim(self, tokens: Sequence[int], confidence: float, source: str = "") -> int:
-        if not tokens or self._source == "draft-model":
-            return len(tokens)
-        return min(len(tokens), self._lookup_n)
+    def trim(self, draft: Draft) -> int:
+        if not draft.tokens or self._source == "draft-model":
+            return len(draft.tokens)
+        return min(len(draft.tokens), self._lookup_n)
 
     def _why_not(self) -> str:
         return (f"draft off: neither the lookup matches nor the draft model paid for a 4-token verify that "
@@ -878,5 +908,5 @@ def make_policy(loaded, draft_max: int, draft_fixed: int | None, *, remember: bo
         policy = POLICIES.get(drafter.kind, DraftModelPolicy)(verify, draft_max=draft_max, draft_cost=draft_cost,
                                                               store=store)
     if drafter.kind == "hybrid":
-        drafter.choose = policy.choose
+        drafter.use_policy(policy)
     return policy

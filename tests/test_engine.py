@@ -579,7 +579,8 @@ def test_prompt_lookup_latest_match():
     pl = PromptLookup(min_ngram=1, max_ngram=2)
     context = [4, 5, 1, 4, 5, 2, 4, 5, 3, 9, 4, 5]
     assert pl.find(context, 2) == ([3, 9], 2)
-    assert pl.find(context, 10) == ([3, 9, 4, 5], 2)  # the continuation runs to the end of the context
+    # past the end of the context the continuation runs on around the loop it closes (period 4)
+    assert pl.find(context, 10) == ([3, 9, 4, 5, 3, 9, 4, 5, 3, 9], 2)
 
 
 def test_prompt_lookup_ngram_bounds():
@@ -606,10 +607,11 @@ def test_prompt_lookup_no_match():
 def test_prompt_lookup_propose_is_deterministic():
     pl = PromptLookup(1, 3, draft_min=2)
     draft = pl.propose([1, 2, 3, 1, 2], 4, GREEDY, np.random.default_rng(0))
-    assert draft.tokens == [3, 1, 2] and draft.q == [None] * 3 and draft.confidence == 2.0
+    assert draft.tokens == [3, 1, 2, 3] and draft.q == [None] * 4 and draft.match_len == 2
+    assert draft.agree == draft.seen == 1  # one earlier [1, 2], followed by 3
     assert pl.propose([1, 2, 3, 1, 2], 0, GREEDY, np.random.default_rng(0)).tokens == []
-    assert pl.find([5, 6, 2, 2], 4) == ([2], 1)
-    assert pl.propose([5, 6, 2, 2], 4, GREEDY, np.random.default_rng(0)).tokens == []  # 1 token < draft_min
+    assert pl.find([5, 6, 2, 2], 4) == ([2, 2, 2, 2], 1)  # a one-token loop
+    assert pl.propose([5, 6, 2, 2], 1, GREEDY, np.random.default_rng(0)).tokens == []  # 1 token < draft_min
     with pytest.raises(ValueError):
         PromptLookup(3, 2)
     with pytest.raises(ValueError):

@@ -9,10 +9,13 @@ import os
 import numpy as np
 import pytest
 
-from specchat.drafters import HybridDrafter, NgramHistory, PromptLookup, longest_match
+from specchat.drafters import (
+    CANDIDATES, ORDER, Draft, FrozenNgramIndex, HybridDrafter, NgramHistory, NgramIndex, PromptLookup, find_match,
+)
 from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
 from specchat.policy import (
+    HISTORY_FIRST,
     AcceptanceStore,
     HybridPolicy,
     LookupPolicy,
@@ -20,6 +23,7 @@ from specchat.policy import (
     FixedPolicy,
     LookupAcceptance,
     match_bucket,
+    repeated,
 )
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
@@ -63,17 +67,55 @@ def _brute_force_match(hay, n_hay, ids, max_len, usable=None):
     return best
 
 
-def test_longest_match_is_the_brute_force_answer_on_repetitive_streams():
+def _compared(index, gram_of, before):
+    """How many earlier occurrences (ending before `before`, with a token after them) the n-gram has."""
+    return sum(1 for p in index.latest(gram_of) if p < before and index.ids[p + 1] >= 0)
+
+
+def test_index_match_is_the_brute_force_answer_on_repetitive_streams():
+    """Exact whenever the tail's n-gram has at most CANDIDATES earlier occurrences; beyond that (a stream
+    of a few symbols) the match found is still a real one, among the latest occurrences."""
     rng = np.random.default_rng(7)
+    exact = 0
     for _ in range(400):
         vocab = int(rng.integers(2, 8))
         base = rng.integers(0, vocab, int(rng.integers(1, 20)))
         ids = np.concatenate([base] * int(rng.integers(1, 5)) + [rng.integers(0, vocab, 30)])[: int(rng.integers(2, 120))]
-        for max_len in (1, 3, 32):
-            assert longest_match(ids, len(ids) - 1, ids, max_len) == _brute_force_match(ids, len(ids) - 1, ids, max_len)
         hay = rng.integers(-1, vocab, int(rng.integers(1, 150)))  # an earlier-replies stream, -1 separators
         usable = np.append(hay[1:] >= 0, False)
-        assert longest_match(hay, len(hay) - 1, ids, 32, usable) == _brute_force_match(hay, len(hay) - 1, ids, 32, usable)
+        cases = [(NgramIndex(ids.tolist()), ids, max_len, None) for max_len in (1, 3, 32)]
+        cases.append((FrozenNgramIndex(hay), ids, 32, usable))
+        for index, tail, max_len, mask in cases:
+            n_hay = len(index.ids) - 1
+            match = find_match(index, tail.tolist(), n_hay, max_len)
+            best = _brute_force_match(np.asarray(index.ids), n_hay, tail, max_len, mask)
+            if best[1] == 0:
+                assert match.length == 0
+                continue
+            order = min(ORDER, best[1])
+            if _compared(index, tail[-order:].tolist(), n_hay) <= CANDIDATES:
+                assert (match.end, match.length) == best
+                exact += 1
+            else:
+                assert 0 < match.length <= best[1]
+                assert index.ids[match.end - match.length + 1 : match.end + 1] == tail[-match.length:].tolist()
+            assert 1 <= match.agree <= match.seen <= CANDIDATES
+    assert exact > 500  # most cases are compared exactly
+
+
+def test_index_follows_a_context_that_grows_and_is_rewritten():
+    index = NgramIndex()
+    ends = lambda index, gram: list(index.latest(gram))  # noqa: E731
+    index.follow([1, 2, 3, 1, 2])
+    assert ends(index, [1, 2]) == [4, 1]
+    index.follow([1, 2, 3, 1, 2, 9, 1, 2])  # grows
+    assert ends(index, [1, 2]) == [7, 4, 1] and ends(index, [2, 9]) == [5]
+    index.follow([1, 2, 3, 7, 1, 2])  # rewritten from position 3 (a regenerated reply)
+    assert index.ids == [1, 2, 3, 7, 1, 2]
+    assert ends(index, [1, 2]) == [5, 1] and ends(index, [2, 9]) == [] and ends(index, [3, 7]) == [3]
+    fresh = NgramIndex([1, 2, 3, 7, 1, 2])
+    grams = [[1], [2], [1, 2], [7, 1, 2], [3, 7, 1, 2], [2, 3, 7, 1]]
+    assert all(ends(index, g) == ends(fresh, g) for g in grams)
 
 
 def test_among_equal_matches_the_latest_wins():
@@ -86,7 +128,7 @@ def test_match_is_capped_at_max_ngram_and_reaches_32():
     context = [*span, 9, *span]
     tokens, length = PromptLookup(1, 32).find(context, 3)
     assert length == 32 and tokens == [9, *span[:2]]
-    assert longest_match(np.asarray(context), len(context) - 1, np.asarray(context), 64)[1] == 40
+    assert find_match(NgramIndex(context), context, len(context) - 1, 64).length == 40
 
 
 def test_matches_across_turns_of_a_conversation():
@@ -105,11 +147,11 @@ def test_history_match_wins_only_when_longer_and_stops_at_the_reply_end():
     assert (tokens, length) == ([43, 44], 3) and lookup.last_from_history  # cut at the end of the reply
     # as long in the context: the context wins (it is this conversation)
     tokens, length = lookup.find([61, 62, 7, 61, 62], 4)
-    assert (tokens, length) == ([7, 61, 62], 2) and not lookup.last_from_history
+    assert (tokens, length) == ([7, 61, 62, 7], 2) and not lookup.last_from_history  # around the loop
     draft = lookup.propose([1, 40, 41, 42], 4, GREEDY, np.random.default_rng(0))
     assert draft.source == "history" and draft.tokens == [43, 44]
     # the separator never matches, so a reply's first token cannot continue the one before it
-    assert history.find(np.asarray([44]), 4, 32) == ([], 0)
+    assert history.find([44], 4, 32)[0] == []
 
 
 def test_history_keeps_the_latest_tokens():
@@ -185,12 +227,12 @@ def test_long_matches_learn_long_drafts_short_ones_do_not():
     policy = LookupPolicy(GPU, draft_max=64)
     long_tokens, short_tokens = list(range(64)), list(range(64))
     for _ in range(30):
-        n = policy.trim(long_tokens, confidence=24)
+        n = policy.trim(Draft(long_tokens, match_len=24))
         policy.observe(step(n, n), long_tokens, long_tokens[: n + 1])  # long matches: all accepted
-        n = policy.trim(short_tokens, confidence=1)
+        n = policy.trim(Draft(short_tokens, match_len=1))
         policy.observe(step(n, min(n, 1)), short_tokens, short_tokens[:2])  # 1-grams: one token at most
-    assert policy.trim(long_tokens, confidence=24) >= 32
-    assert policy.trim(short_tokens, confidence=1) <= 4
+    assert policy.trim(Draft(long_tokens, match_len=24)) >= 32
+    assert policy.trim(Draft(short_tokens, match_len=1)) <= 4
 
 
 # -- estimates kept across processes ---------------------------------------------------------------------
@@ -200,7 +242,7 @@ def trained_policy(store):
     policy = LookupPolicy(CPU, draft_max=64, store=store)
     tokens = list(range(64))
     for _ in range(40):
-        n = policy.trim(tokens, confidence=20)
+        n = policy.trim(Draft(tokens, match_len=20))
         policy.observe(step(n, n), tokens, tokens[: n + 1])
     return policy
 
@@ -208,11 +250,11 @@ def trained_policy(store):
 def test_a_fresh_process_starts_from_what_earlier_runs_learned(tmp_path):
     path = tmp_path / "acceptance.json"
     tokens = list(range(64))
-    cold = LookupPolicy(CPU, draft_max=64).trim(tokens, confidence=20)
+    cold = LookupPolicy(CPU, draft_max=64).trim(Draft(tokens, match_len=20))
     trained = trained_policy(AcceptanceStore(path, "target|prompt-lookup"))
     trained.finish()
     warm = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
-    assert warm.trim(tokens, confidence=20) > cold
+    assert warm.trim(Draft(tokens, match_len=20)) > cold
     # discounted: at most TRUST observations per bucket carry over
     assert 0 < warm.lookup.tries.max() <= AcceptanceStore.TRUST + 1e-9
     # another target or drafter does not see them
@@ -226,9 +268,9 @@ def test_estimates_are_not_trusted_blindly(tmp_path):
     policy = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
     tokens = list(range(64))
     for _ in range(12):  # this conversation is different: long matches are now rejected at once
-        n = policy.trim(tokens, confidence=20)
+        n = policy.trim(Draft(tokens, match_len=20))
         policy.observe(step(n, 0), tokens, [999])
-    assert policy.trim(tokens, confidence=20) == 0
+    assert policy.trim(Draft(tokens, match_len=20)) == 0
 
 
 def _table(first: int) -> bytes:
@@ -265,7 +307,7 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, conte
     assert policy.lookup.tries.sum() == 0  # nothing malformed was taken in
     tokens = list(range(16))
     for _ in range(2):  # the second lookup is the first one kept (after an accepted one)
-        n = policy.trim(tokens, confidence=20)
+        n = policy.trim(Draft(tokens, match_len=20))
         policy.observe(step(max(n, 1), 1), tokens, tokens[:2])
     policy.finish()
     doc = json.loads(path.read_text())
@@ -309,18 +351,18 @@ def test_hybrid_chooses_lookup_on_a_long_match_even_where_the_model_is_cheap():
     policy = hybrid_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.9)
     for _ in range(20):  # long matches have been accepted
         policy.lookup.record(16, 8, 8)
-    source, k = policy.choose(match=20, n_tokens=16, limit=16)
+    source, k = policy.choose(Draft(list(range(16)), match_len=20), 16)
     assert source == "prompt-lookup" and k >= 8
 
 
 def test_hybrid_chooses_the_model_without_a_match():
     policy = hybrid_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.8)
-    source, k = policy.choose(match=0, n_tokens=0, limit=16)
+    source, k = policy.choose(Draft(), 16)
     assert source == "draft-model" and k > 0
     # a poor 1-token match loses to a good model too
     for _ in range(20):
         policy.lookup.record(1, 0, 4)
-    assert policy.choose(match=1, n_tokens=4, limit=16)[0] == "draft-model"
+    assert policy.choose(Draft(list(range(4)), match_len=1), 16)[0] == "draft-model"
 
 
 def test_hybrid_drafts_nothing_when_neither_pays():
@@ -328,8 +370,8 @@ def test_hybrid_drafts_nothing_when_neither_pays():
     policy = hybrid_policy(CPU, CostModel([1, 2], [0.0075, 0.015]), model_hits=0.3)
     for _ in range(20):
         policy.lookup.record(1, 0, 4)
-    assert policy.choose(match=1, n_tokens=4, limit=16) == ("none", 0)
-    assert policy.choose(match=0, n_tokens=0, limit=16) == ("none", 0)
+    assert policy.choose(Draft(list(range(4)), match_len=1), 16) == ("none", 0)
+    assert policy.choose(Draft(), 16) == ("none", 0)
 
 
 MV = 6
@@ -343,7 +385,7 @@ def test_hybrid_through_the_engine_reports_both_sources():
     model, _ = make_draft_model(markov_logits(DRAFT), MV)
     hybrid = HybridDrafter(PromptLookup(1, 32), model)
     calls = iter(range(1000))
-    hybrid.choose = lambda match, n, limit, hist: ("prompt-lookup", n) if next(calls) % 2 and n else ("draft-model", 3)
+    hybrid.choose = lambda found, limit: ("prompt-lookup", len(found.tokens)) if next(calls) % 2 and found.tokens else ("draft-model", 3)
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
     finished = None
     for event in generate(target, hybrid, [1, 2, 3, 1, 2], params, max_tokens=60, policy=FixedPolicy(3)):
@@ -393,7 +435,7 @@ def test_hybrid_is_lossless(params):
         hybrid = HybridDrafter(PromptLookup(1, 32), model)
         flip = iter(range(10**9))
         # which source drafts must not depend on the target's future: here it alternates per call
-        hybrid.choose = lambda match, n, limit, hist: ("prompt-lookup", n) if next(flip) % 2 and n else ("draft-model", 2)
+        hybrid.choose = lambda found, limit: ("prompt-lookup", len(found.tokens)) if next(flip) % 2 and found.tokens else ("draft-model", 2)
         return hybrid
 
     expected = expected_first_two(prompt, params)
@@ -421,7 +463,7 @@ def test_hybrid_check_catches_a_lookup_treated_as_sampled():
     def make():
         model, _ = make_draft_model(markov_logits(DRAFT), MV)
         hybrid = WrongQ(PromptLookup(1, 32), model)
-        hybrid.choose = lambda match, n, limit, hist: ("prompt-lookup", n) if n else ("draft-model", 2)
+        hybrid.choose = lambda found, limit: ("prompt-lookup", len(found.tokens)) if found.tokens else ("draft-model", 2)
         return hybrid
 
     assert drafters_module.HybridDrafter is HybridDrafter
@@ -470,3 +512,44 @@ def test_hybrid_pair_runs_and_says_which_source_drafted(tmp_path):
     assert sum(by.values()) == doc["stats"]["drafted"] and set(by) <= {"prompt-lookup", "draft-model", "history"}
     saved = json.loads((tmp_path / ".cache" / "acceptance.json").read_text())
     assert any("prompt-lookup + smollm2-135m" in e["label"] for e in saved["entries"].values())
+
+
+def test_a_draft_from_earlier_replies_earns_its_length_in_this_conversation():
+    """Estimates learned elsewhere say history drafts are always right; this run has not seen one yet:
+    the first may send HISTORY_FIRST tokens, each taken whole doubles that, a miss brings it back."""
+    policy = LookupPolicy(GPU, draft_max=64)
+    for state in policy.lookup._table[1]:  # every history estimate near certain
+        state[:] = [0.999] * len(state)
+    tokens = list(range(64))
+    sent = policy.trim(Draft(tokens, match_len=32, source="history"))
+    assert sent == HISTORY_FIRST
+    lengths = [sent]
+    for _ in range(3):  # taken whole
+        policy.observe(step(sent, sent, "history"), tokens, tokens[: sent + 1])
+        sent = policy.trim(Draft(tokens, match_len=32, source="history"))
+        lengths.append(sent)
+    assert lengths == [HISTORY_FIRST, 2 * HISTORY_FIRST, 4 * HISTORY_FIRST, 8 * HISTORY_FIRST]
+    policy.observe(step(sent, 3, "history"), tokens, tokens[:3] + [999])  # a miss at the fourth
+    assert policy.trim(Draft(tokens, match_len=32, source="history")) == HISTORY_FIRST
+    # the conversation's own text is not held back: the same evidence from the context sends more
+    assert policy.trim(Draft(tokens, match_len=32)) > HISTORY_FIRST
+
+
+def test_a_continuation_that_held_each_time_is_trusted_more_than_a_fresh_match():
+    lookup = PromptLookup(1, 32)
+    loop = [7, 8, 9, 10, 11]
+    draft = lookup.propose([1, 2, *loop, *loop, *loop, 3, 7], 8, GREEDY, np.random.default_rng(0))
+    assert draft.tokens == [8, 9, 10, 11, 3, 7, 8, 9] and (draft.agree, draft.seen) == (3, 3) and repeated(draft)
+    once = lookup.propose([1, 2, *loop, 3, 7], 8, GREEDY, np.random.default_rng(0))
+    assert (once.agree, once.seen) == (1, 1) and not repeated(once)
+    split = lookup.propose([7, 8, 1, 7, 9, 2, 7], 8, GREEDY, np.random.default_rng(0))
+    assert (split.agree, split.seen) == (1, 2) and not repeated(split)  # 7 went on with 9 and with 8
+    acc = LookupAcceptance()
+    fresh = acc.rates(1, 1)[0]
+    acc.repeated = True
+    assert acc.rates(1, 1)[0] > fresh
+    for _ in range(10):  # repeated continuations that fail teach their own estimate, not the fresh one
+        acc.repeated, acc.after_miss = True, True
+        acc.add(1, False)
+    acc.repeated = False
+    assert acc.rates(1, 1)[0] == pytest.approx(fresh)

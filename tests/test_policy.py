@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specchat.drafters import PromptLookup
+from specchat.drafters import Draft, PromptLookup
 from specchat.engine import Finished, generate
 from specchat.policy import (
     DRAFT_MARGIN,
@@ -117,11 +117,11 @@ def test_a_lookup_draft_must_promise_more_than_a_model_draft():
     for history in policy.lookup._table:  # every lookup estimate at p
         for state in history:
             state[:] = [p] * len(state)
-    assert policy.trim(list(range(16)), 8.0) == 0
+    assert policy.trim(Draft(list(range(16)), match_len=8)) == 0
     for history in policy.lookup._table:
         for state in history:
             state[:] = [0.99] * len(state)
-    assert policy.trim(list(range(16)), 8.0) > 0
+    assert policy.trim(Draft(list(range(16)), match_len=8)) > 0
 
 
 def test_draft_model_as_costly_as_the_target_is_never_used():
@@ -146,20 +146,20 @@ def test_lookup_trim_learns_from_real_verifications():
     policy = LookupPolicy(CPU, draft_max=16)
     proposal = list(range(10, 22))
     assert policy.plan(16) == 16  # lookup is free: always look, then trim
-    assert policy.trim(proposal, confidence=4) == 0  # prior alone does not pay on this CPU
+    assert policy.trim(Draft(proposal, match_len=4)) == 0  # prior alone does not pay on this CPU
     for _ in range(30):  # spans copied from the prompt, always accepted whole
-        n = max(policy.trim(proposal, confidence=4), 0)
+        n = max(policy.trim(Draft(proposal, match_len=4)), 0)
         if n == 0:
             # drafting nothing: the shadow check sees the target emit the proposal's first token
             policy.observe(step(0, 0), proposal, [proposal[0]])
         else:
             policy.observe(step(n, n), proposal, proposal[: n + 1])
     # on this cost curve the rate is flat past ~4 tokens (within 1%), and the shortest such draft wins
-    assert policy.trim(proposal, confidence=4) >= 4
+    assert policy.trim(Draft(proposal, match_len=4)) >= 4
     for _ in range(30):  # the text moved on: the same kind of match is now rejected at once
-        n = policy.trim(proposal, confidence=4)
+        n = policy.trim(Draft(proposal, match_len=4))
         policy.observe(step(n, 0), proposal, [999])
-    assert policy.trim(proposal, confidence=4) == 0
+    assert policy.trim(Draft(proposal, match_len=4)) == 0
 
 
 def test_shadow_learning_turns_drafting_on_without_ever_drafting():
@@ -170,7 +170,7 @@ def test_shadow_learning_turns_drafting_on_without_ever_drafting():
     drafted_at = None
     for i in range(40):
         proposal = text[i : i + 12]
-        n = policy.trim(proposal, confidence=3)
+        n = policy.trim(Draft(proposal, match_len=3))
         if n:
             drafted_at = i
             break
@@ -183,7 +183,7 @@ def test_shadow_does_not_count_a_repeated_span_twice():
     text = list(range(100, 120))
     for i in range(5):
         proposal = text[i : i + 8]
-        policy.trim(proposal, confidence=2)
+        policy.trim(Draft(proposal, match_len=2))
         policy.observe(step(0, 0), proposal, [text[i]])
     tries, hits = policy.lookup.tries[0].sum(axis=0), policy.lookup.hits[0].sum(axis=0)  # context matches
     # one span followed for 5 tokens: each token checked once, against the match it continued (2, 3,
@@ -198,7 +198,7 @@ def test_fixed_policy():
     assert FixedPolicy(6).plan(4) == 4
     assert FixedPolicy(6).plan(10) == 6
     assert FixedPolicy(0).plan(10) == 0
-    assert FixedPolicy(6).trim([1, 2, 3], 0.0) == 3
+    assert FixedPolicy(6).trim(Draft([1, 2, 3])) == 3
 
 
 def test_cost_cache_round_trip(tmp_path):
