@@ -23,6 +23,10 @@ Per prompt:
 3. Medians over reps. "best" = the llama.cpp drafter with the highest median tok/s; specchat's ratios are
    taken at that drafter's token count. Target-only ratios are at the same count.
 
+Cost: per prompt 4 untimed llama.cpp runs + reps x (4 llama.cpp + 3 settings x the distinct token counts,
+usually 3: ngram-simple, ngram-map-k(4v) and ngram-mod overshoot -n by different amounts), ~43 processes at
+--reps 3, a few seconds each on a quiet 2-core machine: about 2.5 h for all 50 prompts (--reps 2: ~1.7 h).
+
 Only the CLI (`python -m specchat.cli prompt --json`) and specchat.paths / specchat.history.save_replies are
 used, so the benchmark keeps working when the lookup's internals change. generate_seconds (from --json)
 excludes model load and prefill, like llama.cpp's `decoded ... in ... seconds`.
@@ -142,7 +146,7 @@ def learned_home(work: Path, seed: Path, learning: list[dict], n: int, threads: 
         saved = save_replies(texts, target=MODEL, kind="report")
     if saved is None:
         raise SystemExit("could not save the learning set's replies")
-    print(f"learned state: {len(learning)} learning prompts in {time.perf_counter() - t0:.0f} s, replies in {saved}")
+    print(f"learned state: {len(learning)} learning prompts in {time.perf_counter() - t0:.0f} s, replies in {saved}", flush=True)
     return home
 
 
@@ -221,12 +225,13 @@ def print_row(r: dict) -> None:
           f"{r['empty']['tps']:>7.1f}{r['empty']['vs_best']:>6.2f}x"
           f"{r['learned']['tps']:>7.1f}{r['learned']['vs_best']:>6.2f}x"
           f"{r['target']['tps']:>7.1f}{r['empty']['vs_target']:>6.2f}x{r['learned']['vs_target']:>6.2f}x"
-          f"  {counts('empty'):>12} {counts('learned'):>12}  {r['empty']['same_as_best']:>3}/{r['n']}", flush=True)
+          f"  {counts('empty'):>12} {counts('learned'):>12}  {r['empty']['same_as_best']:>3}/{r['n']}"
+          f"{r.get('wall_seconds', 0):>6.0f}s", flush=True)
 
 
 HEADER = (f"{'kind':<13}{'id':<17}{'n':>4} {'ours':>4}" + "".join(f"{SHORT[t]:>8}" for t in DRAFTERS) +
           f"  {'best':<8}{'empty':>7}{'/best':>7}{'learned':>7}{'/best':>7}{'target':>7}{'e/tgt':>7}{'l/tgt':>7}"
-          f"  {'empty a/d/s':>12} {'learned a/d/s':>12}  same")
+          f"  {'empty a/d/s':>12} {'learned a/d/s':>12}  same  wall")
 
 
 def summary(results: list[dict]) -> None:
@@ -277,7 +282,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="specchat-unseen-"))
     print(f"llama-cpp-python {llama_cpp_version()} · {MODEL} · threads {a.threads} · -n {a.n} · ctx {CTX} · greedy · "
           f"no --ignore-eos · {a.reps} interleaved reps · {len(prompts)} prompts · {len(learning)} learning prompts")
-    print(f"llama.cpp: {binary}; scratch homes under {work}")
+    print(f"llama.cpp: {binary}; scratch homes under {work}", flush=True)
     t0 = time.perf_counter()
     seed = seed_home(work, a.threads)
     homes = {"empty": seed, "target": seed, "learned": learned_home(work, seed, learning, a.n, a.threads)}
@@ -288,7 +293,9 @@ def main() -> None:
     results = []
     try:
         for i, row in enumerate(prompts):
+            started = time.perf_counter()
             r = run_prompt(i, row, a, binary, gemma, homes, work)
+            r["wall_seconds"] = time.perf_counter() - started
             results.append(r)
             print_row(r)
     finally:
