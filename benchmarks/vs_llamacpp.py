@@ -111,9 +111,12 @@ def build(jobs: int, target: str = "llama-speculative-simple") -> Path:
     return binary
 
 
-def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int, draft: int, ngram: bool | str) -> dict:
-    args = [str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads), "-c", "2048",
-            "--temp", "0", "--top-k", "1", "-s", "1", "--ignore-eos", "-ngl", "0"]
+def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int, draft: int, ngram: bool | str,
+                 ctx: int = 2048, ignore_eos: bool = True) -> dict:
+    """One greedy llama-speculative-simple run. Without ignore_eos it stops at an end-of-generation token:
+    its `decoded` count then includes that token (and any accepted draft tokens after it in the step)."""
+    args = [str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads), "-c", str(ctx),
+            "--temp", "0", "--top-k", "1", "-s", "1", "-ngl", "0", *(["--ignore-eos"] if ignore_eos else [])]
     if isinstance(ngram, str):
         args += ["--spec-type", ngram]  # its own defaults (ngram-simple: 12-gram lookup, up to 48 drafted)
     elif ngram:
@@ -134,9 +137,11 @@ def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int
             "accept": float(accept.group(1)) / 100 if accept else None, "text": text}
 
 
-def run_specchat(model_name: str, prompt: str, *, n: int, threads: int, extra: list[str], env: dict | None = None) -> dict:
+def run_specchat(model_name: str, prompt: str, *, n: int, threads: int, extra: list[str], env: dict | None = None,
+                 ctx: int = 2048, ignore_eos: bool = True) -> dict:
     args = [sys.executable, "-m", "specchat.cli", "prompt", prompt, "--raw", "-m", model_name, "-n", str(n),
-            "-t", str(threads), "-c", "2048", "--temp", "0", "--json", "--ignore-eos", "-ngl", "0", *extra]
+            "-t", str(threads), "-c", str(ctx), "--temp", "0", "--json", "-ngl", "0",
+            *(["--ignore-eos"] if ignore_eos else []), *extra]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"specchat failed: {out.stderr[-2000:]}")
@@ -144,7 +149,8 @@ def run_specchat(model_name: str, prompt: str, *, n: int, threads: int, extra: l
     stats = doc["stats"]
     return {"tokens": stats["generated_tokens"], "seconds": stats["generate_seconds"],
             "tps": stats["tokens_per_second"], "accept": stats["acceptance_rate"], "drafted": stats["drafted"],
-            "accepted": stats["accepted"], "steps": stats["steps"], "pieces": [t["text"] for t in doc["tokens"]]}
+            "accepted": stats["accepted"], "steps": stats["steps"], "pieces": [t["text"] for t in doc["tokens"]],
+            "text": doc["text"], "finish_reason": doc.get("finish_reason"), "draft_lengths": stats.get("draft_lengths")}
 
 
 def same_tokens(pieces: list[str], text: str) -> int:
