@@ -19,13 +19,11 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import BackendError
+
 GGUF_MAGIC = b"GGUF"
 # batches up to this size are filled token by token (the per-step path); larger ones through numpy
 SMALL_BATCH = 96
-
-
-class BackendError(Exception):
-    """A model could not be loaded or evaluated; the message is one line meant for the user."""
 
 
 @dataclass(frozen=True)

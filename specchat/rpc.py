@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backend import BackendError
+from .errors import BackendError
 
 DEFAULT_PORT = 50052
 PROBE_TIMEOUT = 3.0

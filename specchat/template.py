@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .backend import Backend
+from .errors import SpecchatError
 
-class TemplateError(ValueError):
+
+class TemplateError(SpecchatError):
     """The chat template rejected the messages (one line, for the user)."""
 
 
