@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import rpc
+from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
 from .backend import MAX_SNAPSHOTS, Backend, BackendError, Eagle3Head, LlamaCppBackend, MtpHead, gguf_arch
 from .config import MTP, PROMPT_LOOKUP, Config, ModelSpec
 from .drafters import DraftModel, Drafter, HeadDrafter, HybridDrafter, IncompatibleDraft, PromptLookup
@@ -77,11 +77,11 @@ class Loaded:
         """`/rpc off`: load the target again on this machine and let go of the one on the RPC workers,
         abandoned (never freed) when a worker was already gone: freeing its buffers there would abort."""
         remote = self.target
-        gone = rpc.unreachable(remote.rpc)
+        gone = rpc_workers.unreachable(remote.rpc)
         local = LlamaCppBackend(remote.path, n_ctx=remote.n_ctx, n_threads=remote.n_threads, name=remote.name,
                                 snapshots=remote.memory.snapshots)
         if gone:
-            rpc.abandon(remote)
+            rpc_workers.abandon(remote)
         else:
             remote.close()
         self.target = local
