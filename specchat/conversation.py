@@ -169,7 +169,6 @@ class Turn:
         self.prepared = prepared
         self.dropped = dropped  # oldest exchanges dropped to make room
         self.max_tokens = max_tokens
-        self.finished: Finished | None = None
         self.token_ids: list[int] = []  # emitted so far
         self.pieces: list[str] = []  # the text they made visible so far
         self.stats: RunStats | None = None  # the run's totals as of the last step
@@ -196,7 +195,6 @@ class Turn:
                 elif isinstance(event, StepEvent):
                     self.stats = event.totals
                 elif isinstance(event, Finished):
-                    self.finished = event
                     self._record(event.text, event.token_ids, event.finish_reason, event.stats)
                 yield event
         except (GeneratorExit, KeyboardInterrupt):
