@@ -140,9 +140,8 @@ class ChatSession:
     # -- one line of input ---------------------------------------------------------------------------
 
     def handle(self, line: str) -> None:
-        """A slash command or a message. Whatever fails with a SpecchatError (a message that does not fit,
-        a template that refuses it, a model that cannot be loaded for /rpc off) is one line, and the chat
-        goes on."""
+        """A slash command or a message. Whatever fails with a SpecchatError (a template that refuses the
+        message, a model that cannot be loaded for /rpc off) is one line, and the chat goes on."""
         try:
             if line.startswith("/") and not line.startswith("//"):
                 self.command(line)
