@@ -3,7 +3,8 @@
 `LlamaCppBackend` drives llama.cpp's batch API directly through llama-cpp-python's ctypes layer: the
 high-level `Llama.eval` either keeps logits for one position or (with `logits_all`) copies an
 n_ctx x n_vocab array for every token, and speculative verification needs k+1 rows and nothing more.
-`Llama` is still used to load the model and for the tokenizer and metadata.
+`Llama` is still used to load the model and for the tokenizer and metadata; what its public API does not
+offer (devices, flash attention auto, n_rs_seq, load_mtp) is patched in compat.py, and nowhere else.
 """
 
 from __future__ import annotations
@@ -12,20 +13,19 @@ import ctypes
 import os
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from . import compat
+from . import rpc as rpc_workers  # (`rpc` is a backend's list of endpoints)
+from .errors import BackendError
+
 GGUF_MAGIC = b"GGUF"
 # batches up to this size are filled token by token (the per-step path); larger ones through numpy
 SMALL_BATCH = 96
-
-
-class BackendError(Exception):
-    """A model could not be loaded or evaluated; the message is one line meant for the user."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,48 @@ class VocabInfo:
     add_bos: bool
     add_eos: bool
     token_text: object = field(repr=False, compare=False)  # Callable[[int], bytes]
+
+
+class Vocabulary:
+    """A loaded llama_vocab, the one reader of it: each token's piece (the bytes it adds to a text,
+    cached) and text, and what the compatibility rule compares. Backends and VocabFile read through it."""
+
+    def __init__(self, lib, vocab_p):
+        self._lib, self._v = lib, vocab_p
+        self.n_vocab = lib.llama_vocab_n_tokens(vocab_p)
+        self._pieces: dict[int, bytes] = {}
+        self._buf = ctypes.create_string_buffer(256)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token contributes to the text (special tokens render as nothing)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            n = self._lib.llama_token_to_piece(self._v, token, self._buf, len(self._buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._lib.llama_token_to_piece(self._v, token, buf, -n, 0, False)
+                piece = buf.raw[:n]
+            else:
+                piece = self._buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def token_text(self, token: int) -> bytes:
+        """The token's text as the vocabulary stores it (a special token's name)."""
+        return self._lib.llama_vocab_get_text(self._v, token) or b""
+
+    @property
+    def info(self) -> VocabInfo:
+        lib, v = self._lib, self._v
+        return VocabInfo(
+            vocab_type=lib.llama_vocab_type(v),
+            n_vocab=self.n_vocab,
+            bos=lib.llama_vocab_bos(v),
+            eos=lib.llama_vocab_eos(v),
+            add_bos=bool(lib.llama_vocab_get_add_bos(v)),
+            add_eos=bool(lib.llama_vocab_get_add_eos(v)),
+            token_text=self.token_text,
+        )
 
 
 @runtime_checkable
@@ -261,47 +303,6 @@ def default_gpu_layers() -> int:
 FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
 
 
-@contextmanager
-def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False):
-    """While a `Llama` loads, give its context llama.cpp's flash-attention setting and `n_rs_seq`, and its
-    model `load_mtp` (the MTP / NextN layers a model carries for drafting; skipped unless asked for).
-
-    llama-cpp-python 0.3.36's `Llama(...)` offers flash attention only on and off, defaulting to off; llama.cpp
-    (llama-cli, llama-server, llama-bench) defaults to auto, which turns it on where every layer's device
-    supports it. Off costs ~9% of decode speed on CPU (gemma-3-270m, 2 threads). `n_rs_seq` (recurrent-state
-    snapshots per sequence, see MemoryKind) has no keyword at all. This wraps the one class that receives
-    the context params, for the duration of the load."""
-    import llama_cpp
-    import llama_cpp._internals as internals
-
-    value = {
-        "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
-        "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-        "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-    }[flash_attn]
-    original = internals.LlamaContext
-    original_model = internals.LlamaModel
-
-    class WithOurParams(original):
-        def __init__(self, *, model, params, verbose=True):
-            params.flash_attn_type = value
-            params.n_rs_seq = n_rs_seq
-            super().__init__(model=model, params=params, verbose=verbose)
-
-    class WithOurModelParams(original_model):
-        def __init__(self, *, path_model, params, verbose=True):
-            params.load_mtp = load_mtp
-            super().__init__(path_model=path_model, params=params, verbose=verbose)
-
-    internals.LlamaContext = WithOurParams
-    internals.LlamaModel = WithOurModelParams
-    try:
-        yield
-    finally:
-        internals.LlamaContext = original
-        internals.LlamaModel = original_model
-
-
 # -- llama.cpp's staging API for drafting heads (src/llama-ext.h) ---------------------------------------
 # The target's final hidden rows ("nextn embeddings") that an MTP head reads are only reachable through
 # functions in llama.cpp's staging header, which libllama exports as C++ (mangled) symbols and
@@ -363,7 +364,7 @@ def nextn_api() -> NextnAPI:
         import llama_cpp.llama_cpp as low
 
         version = getattr(llama_cpp, "__version__", "?")
-        lib = getattr(low, "_lib", None)
+        lib = compat.libllama()
         missing = [name for name, sym in _NEXTN_SYMBOLS.items() if lib is None or not hasattr(lib, sym)]
         has_c_api = all(hasattr(low, f) for f in ("llama_model_n_layer_nextn", "llama_batch_ext_set_embd_state",
                                                   "llama_process"))
@@ -486,10 +487,8 @@ class LlamaCppBackend:
         self.path = path
         self.name = name or path.name
         started = time.perf_counter()
-        from .rpc import model_devices
-
         try:
-            with model_devices(devices), context_params(flash_attn, snapshots, load_mtp=mtp):
+            with compat.model_devices(devices), compat.context_params(flash_attn, snapshots, load_mtp=mtp):
                 self.llm = llama_cpp.Llama(
                     str(path),
                     n_ctx=n_ctx,
@@ -505,9 +504,7 @@ class LlamaCppBackend:
         except (ValueError, RuntimeError, OSError) as e:
             size = path.stat().st_size
             if self.rpc:
-                from .rpc import load_failure
-
-                raise load_failure(path, size, self.rpc_devices, str(e)) from None
+                raise rpc_workers.load_failure(path, size, self.rpc_devices, str(e)) from None
             if "llama_context" in str(e):  # the weights loaded; the KV cache and buffers did not fit
                 trained = gguf_context_length(path)
                 raise BackendError(
@@ -537,7 +534,8 @@ class LlamaCppBackend:
         self._n_embd_out = llama_cpp.llama_model_n_embd_out(self._model)
         self._n_embd = llama_cpp.llama_model_n_embd(self._model)
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
+        self._vocabulary = Vocabulary(llama_cpp, self._vocab_p)
+        self.n_vocab = self._vocabulary.n_vocab
         self.n_swa = 0 if swa_full else llama_cpp.llama_model_n_swa(self._model)
         self._mem = llama_cpp.llama_get_memory(self.llm.ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
@@ -559,8 +557,6 @@ class LlamaCppBackend:
         self.reevaluated = 0  # tokens evaluated again after a checkpoint restore
         self.rollback_seconds = 0.0  # spent saving and restoring checkpoints
         self._views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view, see eval
-        self._piece_cache: dict[int, bytes] = {}
-        self._piece_buf = ctypes.create_string_buffer(256)
         self.memory = self._memory_kind()
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -803,17 +799,7 @@ class LlamaCppBackend:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token contributes to the text (special tokens render as nothing)."""
-        piece = self._piece_cache.get(token)
-        if piece is None:
-            n = self._lib.llama_token_to_piece(self._vocab_p, token, self._piece_buf, len(self._piece_buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = self._lib.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, False)
-                piece = buf.raw[:n]
-            else:
-                piece = self._piece_buf.raw[:n]
-            self._piece_cache[token] = piece
-        return piece
+        return self._vocabulary.token_bytes(token)
 
     def eog_tokens(self) -> tuple[int, ...]:
         """Every end-of-generation id (EOS, EOT, <|im_end|>...), for --ignore-eos."""
@@ -826,17 +812,14 @@ class LlamaCppBackend:
 
     @property
     def vocab(self) -> VocabInfo:
-        lib, v = self._lib, self._vocab_p
-        return _vocab_info(lib, v, self.n_vocab, lambda t: lib.llama_vocab_get_text(v, t) or b"")
+        return self._vocabulary.info
 
     @property
     def placement(self) -> str | None:
         """Where the layers are, when some are on RPC workers (None for an ordinary local load)."""
         if not self.rpc:
             return None
-        from .rpc import placement
-
-        return placement(self.n_layer, self.n_gpu_layers, self.rpc_devices)
+        return rpc_workers.placement(self.n_layer, self.n_gpu_layers, self.rpc_devices)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -857,12 +840,9 @@ class LlamaCppBackend:
         return v.token_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else ""
 
     def close(self) -> None:
-        if self.rpc:
-            from .rpc import abandon, unreachable
-
-            if unreachable(self.rpc):  # freeing buffers on a dead worker would abort the process
-                abandon(self)
-                return
+        if self.rpc and rpc_workers.unreachable(self.rpc):  # freeing buffers on a dead worker would abort the process
+            rpc_workers.abandon(self)
+            return
         if self._batch is not None:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
@@ -1083,9 +1063,7 @@ class Eagle3Head(HeadBackend):
             raise BackendError(f"llama.cpp could not load the EAGLE-3 head {path}")
         ctx = None
         try:
-            problem = check_compatible(target.vocab, _vocab_info(lib, lib.llama_model_get_vocab(self._model),
-                                                                 lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)),
-                                                                 lambda t: lib.llama_vocab_get_text(lib.llama_model_get_vocab(self._model), t) or b""))
+            problem = check_compatible(target.vocab, Vocabulary(lib, lib.llama_model_get_vocab(self._model)).info)
             if problem:
                 raise BackendError(f"EAGLE-3 head {path.name} has another vocabulary than {target.name}: {problem}")
             layers = self._api.target_layers(self._model)
@@ -1153,13 +1131,11 @@ def _rpc_devices(endpoints: Sequence[str]):
     """(the RPC devices of `endpoints`, the device list for llama_model_params or None for the default).
     Once any worker is registered in this process, every load names its devices: the default list would
     now include the workers."""
-    from . import rpc
-
     if endpoints:
-        devices = rpc.register(endpoints)
-        return devices, [d.handle for d in devices] + rpc.local_gpu_devices()
-    if rpc.any_registered():
-        return [], rpc.local_gpu_devices()
+        devices = rpc_workers.register(endpoints)
+        return devices, [d.handle for d in devices] + rpc_workers.local_gpu_devices()
+    if rpc_workers.any_registered():
+        return [], rpc_workers.local_gpu_devices()
     return [], None
 
 
@@ -1181,32 +1157,44 @@ def check_compatible(target: VocabInfo, draft: VocabInfo) -> str | None:
     return None
 
 
+class VocabFile:
+    """A GGUF file's vocabulary without its weights: path, n_vocab, token_bytes and vocab, as a backend
+    has them (for `specchat models`: the compatibility rule and the cross-vocabulary map)."""
+
+    def __init__(self, path: str | os.PathLike):
+        import llama_cpp
+
+        quiet_llama_logs(llama_cpp)
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        try:
+            self._llm = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
+        except (ValueError, RuntimeError, OSError):
+            raise BackendError(f"llama.cpp could not read the vocabulary of {self.path}") from None
+        self._vocabulary = Vocabulary(llama_cpp, llama_cpp.llama_model_get_vocab(self._llm.model))
+        self.n_vocab = self._vocabulary.n_vocab
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._vocabulary.token_bytes(token)
+
+    @property
+    def vocab(self) -> VocabInfo:
+        return self._vocabulary.info
+
+    def close(self) -> None:
+        self._llm.close()
+
+    def __enter__(self) -> VocabFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def read_vocab(path: str | os.PathLike) -> VocabInfo:
-    """The vocabulary of a GGUF file without loading its weights (for `specchat models`)."""
-    import llama_cpp
-
-    quiet_llama_logs(llama_cpp)
-    path = Path(path)
-    check_gguf_file(path)
-    try:
-        llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    except (ValueError, RuntimeError, OSError):
-        raise BackendError(f"llama.cpp could not read the vocabulary of {path}") from None
-    lib, v = llama_cpp, llama_cpp.llama_model_get_vocab(llm.model)
-    # copied out: the vocabulary is freed with the model
-    texts = [lib.llama_vocab_get_text(v, t) or b"" for t in range(lib.llama_vocab_n_tokens(v))]
-    info = _vocab_info(lib, v, len(texts), texts.__getitem__)
-    llm.close()
-    return info
-
-
-def _vocab_info(lib, v, n_vocab: int, token_text) -> VocabInfo:
-    return VocabInfo(
-        vocab_type=lib.llama_vocab_type(v),
-        n_vocab=n_vocab,
-        bos=lib.llama_vocab_bos(v),
-        eos=lib.llama_vocab_eos(v),
-        add_bos=bool(lib.llama_vocab_get_add_bos(v)),
-        add_eos=bool(lib.llama_vocab_get_add_eos(v)),
-        token_text=token_text,
-    )
+    """The vocabulary of a GGUF file without loading its weights (for `specchat models`), its token texts
+    copied out: the vocabulary is freed with the file."""
+    with VocabFile(path) as file:
+        info = file.vocab
+        texts = [info.token_text(t) for t in range(info.n_vocab)]
+    return replace(info, token_text=texts.__getitem__)

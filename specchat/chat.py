@@ -13,29 +13,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.text import Text
 
 from . import options as opt
-from . import slash, ui
+from . import rpc, slash, ui
 from .backend import sync
-from .conversation import Conversation
-from .engine import Finished, PromptTooLong, generate
+from .conversation import Conversation, Turn
+from .drafters import reads_target
+from .errors import SpecchatError
 from .loader import Loaded
 from .paths import data_dir
-from .backend import BackendError
-from .runner import (  # noqa: F401  (UserError: --resume's)
-    RunOptions, Terminated, UserError, check_text, loading, measuring, measuring_notice, run_options,
-)
+from .runner import RunOptions, Terminated, check_text, loading, measuring, measuring_notice, run_options
+from .sampling import SamplingParams
 from .slash import KEYS
 from .stats import RunStats
-from .transcript import Resumed, Transcript, load_transcript, read_transcript
+from .transcript import Resumed, Transcript, read_transcript
 
 
 class ChatSession:
-    """The chat without its input loop: what a line typed at the prompt does. Tests drive it directly."""
+    """The chat without its input loop: what a line typed at the prompt does. Tests drive it directly.
+    A turn is the conversation's (`Conversation.send`); the session adds the screen, the transcript and
+    the switches the slash commands turn (/spec, /draft, /temp)."""
 
     def __init__(
         self,
@@ -57,20 +57,17 @@ class ChatSession:
         self.console = console  # replies
         self.info = info  # notices and summaries (stderr when stdout is a pipe)
         self.out = out if out is not None else sys.stdout
-        self.conversation = Conversation(loaded.target, system=system)
-        self.extra_stop = [*run.stop, *stop]
+        # --ignore-eos bans this target's end tokens
+        self.conversation = Conversation(loaded.target, system=system, params=run.for_target(loaded.target),
+                                         max_tokens=run.max_tokens, stop=[*run.stop, *stop])
         self.transcript = transcript
         self.live = console.is_terminal if live is None else live
         self.show_stats = show_stats
         self._make_view = make_view
-        self.params = run.for_target(loaded.target)  # --ignore-eos bans this target's end tokens
-        self.max_tokens = run.max_tokens
         self.draft_max = run.draft_max
         self.spec_on = loaded.drafter is not None
-        self.rng = np.random.default_rng(run.params.seed)
         self.policy = None
         self.policy_ready = False  # built by prepare_policy (after the header: it may measure first)
-        self.last: Finished | None = None
         self.last_stats: RunStats | None = None
         self.totals = RunStats()
         self.turn_log: list[dict] = []  # per turn: prompt tokens, tokens evaluated, generated
@@ -78,6 +75,10 @@ class ChatSession:
         self.unsaved_warned = False
 
     # -- pieces ------------------------------------------------------------------------------------
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.conversation.params
 
     @property
     def drafter(self):
@@ -114,7 +115,7 @@ class ChatSession:
     def header(self) -> None:
         target = self.loaded.target_spec.name
         text = Text(f"specchat chat · {target} + {self.loaded.drafter_label} · -c {self.loaded.target.n_ctx} · "
-                    f"temp {self.params.temperature:g} · -n {self.max_tokens}", style="bold")
+                    f"temp {self.params.temperature:g} · -n {self.conversation.max_tokens}", style="bold")
         self.info.print(text)
         placement = self.loaded.target.placement
         if placement:
@@ -139,10 +140,15 @@ class ChatSession:
     # -- one line of input ---------------------------------------------------------------------------
 
     def handle(self, line: str) -> None:
-        if line.startswith("/") and not line.startswith("//"):
-            self.command(line)
-        elif line.strip():
-            self.turn(line[1:] if line.startswith("//") else line)
+        """A slash command or a message. Whatever fails with a SpecchatError (a template that refuses the
+        message, a model that cannot be loaded for /rpc off) is one line, and the chat goes on."""
+        try:
+            if line.startswith("/") and not line.startswith("//"):
+                self.command(line)
+            elif line.strip():
+                self.turn(line[1:] if line.startswith("//") else line)
+        except SpecchatError as e:
+            self.notice(str(e), "spec.error")
 
     def command(self, line: str) -> None:
         name, _, arg = line.strip().partition(" ")
@@ -164,28 +170,13 @@ class ChatSession:
         if not endpoints:
             self.notice("the target already runs on this machine")
             return
-        from .drafters import reads_target
-
         if reads_target(self.loaded.drafter):
             self.notice("the drafting head runs on the target's context: restart without --rpc to move it",
                         "spec.error")
             return
-        from . import rpc
-        from .backend import BackendError, LlamaCppBackend
-
-        gone = rpc.unreachable(endpoints)
         self.notice(f"loading {target.name} on this machine…")
-        try:
-            local = LlamaCppBackend(target.path, n_ctx=target.n_ctx, n_threads=target.n_threads, name=target.name,
-                                    snapshots=target.memory.snapshots)
-        except BackendError as e:
-            self.notice(str(e), "spec.error")
-            return
-        if gone:
-            rpc.abandon(target)  # its buffers live on a dead worker: freeing them would abort
-        else:
-            target.close()
-        self.loaded.target = self.conversation.target = local
+        local = self.loaded.target_here()
+        self.conversation.target = local
         self.rebuild_policy()
         self.notice(f"the target runs on this machine now ({local.n_layer} layers); the conversation is kept "
                     "and is evaluated again at the next turn")
@@ -195,8 +186,6 @@ class ChatSession:
         endpoints = tuple(self.loaded.target.rpc)
         if not endpoints:
             return True
-        from . import rpc
-
         gone = rpc.unreachable(endpoints)
         if gone:
             self.notice(f"RPC worker {', '.join(gone)} is unreachable: /rpc off continues on this machine "
@@ -209,67 +198,51 @@ class ChatSession:
     # -- one turn ----------------------------------------------------------------------------------
 
     def turn(self, user: str) -> None:
-        conv, target = self.conversation, self.loaded.target
+        conv = self.conversation
         if not self._rpc_ready():
             return
-        prepared, dropped = conv.fit(user, conv.room(self.max_tokens))
-        if dropped:
-            self.notice(f"context full (-c {target.n_ctx}): dropped the {dropped} oldest exchange"
-                        f"{'s' if dropped > 1 else ''} to make room")
-        if len(prepared.ids) >= target.n_ctx:
-            self.notice(f"this message does not fit: {len(prepared.ids)} tokens, context {target.n_ctx} (-c)", "spec.error")
-            return
         self.prepare_policy()
+        conv.drafter = self.drafter
+        conv.policy = self.policy if self.drafter is not None else None
+        turn = conv.send(user)
+        if turn.dropped:
+            self.notice(f"context full (-c {conv.target.n_ctx}): dropped the {turn.dropped} oldest exchange"
+                        f"{'s' if turn.dropped > 1 else ''} to make room")
+        if len(turn.prepared.ids) >= conv.target.n_ctx:
+            self.notice(f"this message does not fit: {len(turn.prepared.ids)} tokens, context {conv.target.n_ctx} (-c)",
+                        "spec.error")
+            return
         self.save({"role": "user", "content": user})
-        evaluated_before = target.evaluated
-        events = generate(
-            target, self.drafter, prepared.ids, self.params, max_tokens=self.max_tokens,
-            stop=conv.stops + self.extra_stop, policy=self.policy if self.drafter is not None else None, rng=self.rng,
-        )
-        view = self._view()
-        finished: Finished | None = None
+        evaluated_before = conv.target.evaluated
         stopped: KeyboardInterrupt | None = None
         try:
             with no_echo():
-                finished = ui.show(events, view)
-        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated): the reply so far is kept
-            # the generator's finally cuts the target's cache back to prompt + the tokens we saw
+                ui.show(turn, self._view())
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
             stopped = e
-            events.close()
-        except PromptTooLong as e:
-            events.close()
-            self.notice(str(e), "spec.error")
-            self.save({"role": "dropped", "content": str(e)})
-            return
-        except BackendError as e:
-            # a decode failure mid-turn: the turn is dropped (its message and the partial reply are not
-            # part of the conversation; the transcript says so), and the chat goes on
-            events.close()
+            turn.close()  # the turn keeps the reply so far
+        except SpecchatError as e:
+            # a failure mid-turn (a decode that failed): the turn is dropped (its message and the partial
+            # reply are not part of the conversation; the transcript says so), and the chat goes on
             self.notice(f"the reply failed: {e} · the turn was dropped; the chat goes on", "spec.error")
             self.save({"role": "dropped", "content": str(e)})
             return
         try:
-            self._keep(prepared, finished, view, evaluated_before)
+            self._keep(turn, evaluated_before)
         finally:
             if isinstance(stopped, Terminated):
                 raise stopped  # the partial reply is saved: now end the chat
 
-    def _keep(self, prepared, finished: Finished | None, view, evaluated_before: int) -> None:
-        conv, target = self.conversation, self.loaded.target
-        if finished is not None:
-            reply, ids, reason, stats = finished.text, finished.token_ids, finished.finish_reason, finished.stats
-        else:
-            reply, ids, reason = view.text, list(view.token_ids), "interrupted"
-            stats = view.totals or RunStats(prompt_tokens=len(prepared.ids), emitted=len(ids))
-            if not ids:
-                # stopped before the first token: the message is not kept (the transcript's unanswered
-                # user line is skipped by --resume); the cache's extra prompt tokens are cut at next sync
-                self.notice("stopped before the reply began; the message was not kept")
-                self.save({"role": "dropped", "content": "stopped before the reply began"})
-                return
-        message = conv.commit(prepared, reply, ids)
+    def _keep(self, turn: Turn, evaluated_before: int) -> None:
+        if turn.message is None:
+            # stopped before the first token: the message is not kept (the transcript's unanswered user
+            # line is skipped by --resume); the cache's extra prompt tokens are cut at the next sync
+            self.notice("stopped before the reply began; the message was not kept")
+            self.save({"role": "dropped", "content": "stopped before the reply began"})
+            return
+        reason, stats = turn.finish_reason, turn.stats
         self.save({
-            **message,
+            **turn.message,
             "finish_reason": reason,
             "interrupted": reason == "interrupted",
             "stats": stats.as_dict(),
@@ -277,14 +250,14 @@ class ChatSession:
             "drafter": self.drafter_label,
             "temperature": self.params.temperature,
         })
-        self.last, self.last_stats = finished, stats
+        self.last_stats = stats
         self.totals.merge(stats)
         self.turn_log.append({
-            "prompt_tokens": len(prepared.ids),
-            "reused": prepared.reused,
-            "evaluated": target.evaluated - evaluated_before,
+            "prompt_tokens": len(turn.prepared.ids),
+            "reused": turn.prepared.reused,
+            "evaluated": self.conversation.target.evaluated - evaluated_before,
             "prompt_evaluated": stats.prompt_tokens_evaluated,
-            "generated": len(ids),
+            "generated": len(turn.token_ids),
             "finish_reason": reason,
         })
         note = getattr(self.policy, "last_note", None) if self.drafter is not None else None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
+from .errors import SpecchatError
 
 PROMPT_LOOKUP = "prompt-lookup"
 """The draft name that means "no draft model: n-gram lookup over the prompt and history"."""
@@ -40,7 +41,7 @@ _PARTS_RANGE_RE = re.compile(r"^(?P<head>[^{}]*)\{(?P<first>\d+)\.\.(?P<last>\d+
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-class ConfigError(Exception):
+class ConfigError(SpecchatError):
     """A configuration mistake; ``str(e)`` is one line, ``<file>:<line>: <key>: <what is wrong>``
     with whichever of file, line and key are known."""
 

@@ -19,6 +19,9 @@ Models without a chat template (gemma-3-270m is a base model) use template.FALLB
         ...
     for event in conv.send("Which is longest?"):    # evaluates only this turn's new tokens
         ...
+
+A turn that stops early (the caller closes it, or Ctrl-C) keeps the reply as far as it went, as the
+terminal chat does; a turn that fails (a SpecchatError, such as a decode failure) keeps nothing.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import numpy as np
 
 from .backend import Backend
 from .drafters import Drafter
-from .engine import MAX_TOKENS, Finished, generate
+from .engine import MAX_TOKENS, Finished, StepEvent, TokenEvent, generate
 from .policy import Policy
 from .sampling import SamplingParams
-from .template import FALLBACK_STOP, render_text
+from .stats import RunStats
+from .template import FALLBACK_STOP, render_text, tokenize_rendered
 
 
 @dataclass
@@ -47,9 +51,10 @@ class Prepared:
 
 
 class Conversation:
-    """The messages of a chat and the exact ids the target holds for them. `send` runs a turn through
-    `engine.generate` and yields its events; `prepare` / `fit` / `commit` are the steps, for callers
-    that drive generation themselves (the terminal chat, which can be interrupted mid-reply)."""
+    """The messages of a chat and the exact ids the target holds for them. `send` starts a turn (a
+    `Turn`, iterated for the engine's events); `prepare` / `fit` / `commit` are its steps. The sampling
+    parameters, drafter, policy and token budget are read when a turn starts: the terminal chat changes
+    them between turns (/temp, /spec, /draft)."""
 
     def __init__(self, target: Backend, drafter: Drafter | None = None, *, system: str | None = None,
                  params: SamplingParams | None = None, max_tokens: int = MAX_TOKENS, policy: Policy | None = None,
@@ -91,17 +96,12 @@ class Conversation:
         self.turns = []
         self.forget_tokens()
 
-    def _tokenize_all(self, text: str) -> list[int]:
-        if self.templated:  # the template writes BOS itself where the model wants one
-            return self.target.tokenize(text, add_special=False, parse_special=True)
-        return self.target.tokenize(text, add_special=True)
-
     def prepare(self, user: str) -> Prepared:
         text = render_text(self.target, [*self.messages, {"role": "user", "content": user}], True)
         if self._ids and text.startswith(self._text):
             new = self.target.tokenize(text[len(self._text):], add_special=False, parse_special=self.templated)
             return Prepared(user, self._ids + new, text, len(self._ids))
-        return Prepared(user, self._tokenize_all(text), text, 0)
+        return Prepared(user, tokenize_rendered(self.target, text), text, 0)
 
     def fit(self, user: str, room: int) -> tuple[Prepared, int]:
         """Prepare the turn, dropping the oldest user/assistant pairs (never the system message) until
@@ -140,26 +140,72 @@ class Conversation:
         self.forget_tokens()
         if self.turns:
             self._text = render_text(self.target, self.messages, False)
-            self._ids = self._tokenize_all(self._text)
+            self._ids = tokenize_rendered(self.target, self._text)
         return self.ids
 
     def room(self, max_tokens: int) -> int:
         """Tokens kept free for a reply when old turns must be dropped: the reply, at most half the context."""
         return min(max_tokens, max(1, self.target.n_ctx // 2))
 
-    def send(self, user: str, *, max_tokens: int | None = None) -> Iterator:
-        """One turn: yields the engine's events (TokenEvent, StepEvent, then Finished) and records the
-        reply when Finished arrives. Oldest exchanges are dropped when the context is full."""
+    def send(self, user: str, *, max_tokens: int | None = None) -> Turn:
+        """Start one turn: fit it into the context (the oldest exchanges are dropped when it is full) and
+        return it; iterating it yields the engine's events (TokenEvent, StepEvent, then Finished) and
+        records the reply (the engine raises PromptTooLong first when the message alone fills the context)."""
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
-        prepared, _ = self.fit(user, self.room(max_tokens))
-        events = generate(self.target, self.drafter, prepared.ids, self.params, max_tokens=max_tokens,
-                          stop=self.stops + self.extra_stop, policy=self.policy, rng=self.rng)
+        prepared, dropped = self.fit(user, self.room(max_tokens))
+        return Turn(self, prepared, dropped, max_tokens)
+
+    prompt = send  # the name simonw/llm uses for the same thing
+
+
+class Turn:
+    """One exchange in progress: iterate it (once) for the engine's events. The reply is recorded in the
+    conversation when generation finishes, or when it stops early (`close()`, Ctrl-C) after at least one
+    token, as far as it went; a turn that fails records nothing. Afterwards `message` is the recorded
+    reply (None when nothing was), with `finish_reason` and `stats`."""
+
+    def __init__(self, conversation: Conversation, prepared: Prepared, dropped: int, max_tokens: int):
+        self.conversation = conversation
+        self.prepared = prepared
+        self.dropped = dropped  # oldest exchanges dropped to make room
+        self.max_tokens = max_tokens
+        self.token_ids: list[int] = []  # emitted so far
+        self.pieces: list[str] = []  # the text they made visible so far
+        self.stats: RunStats | None = None  # the run's totals as of the last step
+        self.finish_reason: str | None = None
+        self.message: dict | None = None
+        self._events = self._run()
+
+    def __iter__(self) -> Iterator:
+        return self._events
+
+    def close(self) -> None:
+        """Stop the turn where it is (the cache is cut back to what was emitted)."""
+        self._events.close()
+
+    def _run(self) -> Iterator:
+        conv = self.conversation
+        events = generate(conv.target, conv.drafter, self.prepared.ids, conv.params, max_tokens=self.max_tokens,
+                          stop=conv.stops + conv.extra_stop, policy=conv.policy, rng=conv.rng)
         try:
             for event in events:
-                if isinstance(event, Finished):
-                    self.commit(prepared, event.text, event.token_ids)
+                if isinstance(event, TokenEvent):
+                    self.token_ids.append(event.id)
+                    self.pieces.append(event.text)
+                elif isinstance(event, StepEvent):
+                    self.stats = event.totals
+                elif isinstance(event, Finished):
+                    self._record(event.text, event.token_ids, event.finish_reason, event.stats)
                 yield event
+        except (GeneratorExit, KeyboardInterrupt):
+            events.close()  # first: the engine settles the cache and the run's totals
+            if self.message is None and self.token_ids:
+                stats = self.stats or RunStats(prompt_tokens=len(self.prepared.ids), emitted=len(self.token_ids))
+                self._record("".join(self.pieces), self.token_ids, "interrupted", stats)
+            raise
         finally:
             events.close()
 
-    prompt = send  # the name simonw/llm uses for the same thing
+    def _record(self, reply: str, ids: Sequence[int], reason: str, stats: RunStats) -> None:
+        self.message = self.conversation.commit(self.prepared, reply, ids)
+        self.finish_reason, self.stats = reason, stats

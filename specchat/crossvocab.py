@@ -29,7 +29,6 @@ in the cache dir (`vocab-maps/`), keyed by both files.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import os
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, BackendError, VocabInfo, check_gguf_file, quiet_llama_logs, sync
+from .backend import Backend, VocabFile, sync
 from .drafters import Draft
 from .sampling import Dist, SamplingParams, apply_penalties, draft_confidence, process, sample, top_k_ids
 
@@ -153,43 +152,6 @@ def cached_vocab_map(target, draft) -> VocabMap:
     return vmap
 
 
-class VocabFile:
-    """A GGUF file's vocabulary without its weights: what build_vocab_map needs (for `specchat models`)."""
-
-    def __init__(self, path) -> None:
-        import llama_cpp
-
-        quiet_llama_logs(llama_cpp)
-        self.path = Path(path)
-        check_gguf_file(self.path)
-        try:
-            self._llm = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
-        except (ValueError, RuntimeError, OSError):
-            raise BackendError(f"llama.cpp could not read the vocabulary of {self.path}") from None
-        self._lib = llama_cpp
-        self._v = llama_cpp.llama_model_get_vocab(self._llm.model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._v)
-        self._buf = ctypes.create_string_buffer(256)
-
-    def token_bytes(self, token: int) -> bytes:
-        n = self._lib.llama_token_to_piece(self._v, token, self._buf, len(self._buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self._lib.llama_token_to_piece(self._v, token, buf, -n, 0, False)
-            return buf.raw[:n]
-        return self._buf.raw[:n]
-
-    @property
-    def vocab(self) -> VocabInfo:
-        lib, v = self._lib, self._v
-        return VocabInfo(lib.llama_vocab_type(v), self.n_vocab, lib.llama_vocab_bos(v), lib.llama_vocab_eos(v),
-                         bool(lib.llama_vocab_get_add_bos(v)), bool(lib.llama_vocab_get_add_eos(v)),
-                         lambda t: lib.llama_vocab_get_text(v, t) or b"")
-
-    def close(self) -> None:
-        self._llm.close()
-
-
 def file_vocab_map(target_path, draft_path) -> VocabMap:
     """The map for two files (cached; reads vocabularies only on a miss)."""
     cache = map_cache_path(target_path, draft_path)
@@ -197,12 +159,8 @@ def file_vocab_map(target_path, draft_path) -> VocabMap:
         vmap = _load_map(cache)
         if vmap is not None:
             return vmap
-    target, draft = VocabFile(target_path), VocabFile(draft_path)
-    try:
+    with VocabFile(target_path) as target, VocabFile(draft_path) as draft:
         return cached_vocab_map(target, draft)
-    finally:
-        target.close()
-        draft.close()
 
 
 def vocabulary_note(vmap: VocabMap | None) -> str:

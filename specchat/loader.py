@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
 from .backend import MAX_SNAPSHOTS, Backend, BackendError, Eagle3Head, LlamaCppBackend, MtpHead, gguf_arch
 from .config import MTP, PROMPT_LOOKUP, Config, ModelSpec
 from .drafters import DraftModel, Drafter, HeadDrafter, HybridDrafter, IncompatibleDraft, PromptLookup
@@ -71,6 +72,20 @@ class Loaded:
             return None
         line = "memory: " + " · ".join(f"{role} {b.memory.describe()}" for role, b in backends)
         return line + (f" · {self.drafting_off}" if self.drafting_off else "")
+
+    def target_here(self) -> Backend:
+        """`/rpc off`: load the target again on this machine and let go of the one on the RPC workers,
+        abandoned (never freed) when a worker was already gone: freeing its buffers there would abort."""
+        remote = self.target
+        gone = rpc_workers.unreachable(remote.rpc)
+        local = LlamaCppBackend(remote.path, n_ctx=remote.n_ctx, n_threads=remote.n_threads, name=remote.name,
+                                snapshots=remote.memory.snapshots)
+        if gone:
+            rpc_workers.abandon(remote)
+        else:
+            remote.close()
+        self.target = local
+        return local
 
     def close(self) -> None:
         # the drafter first: an MTP head's context lives on the target's weights

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from .backend import BackendError, arch_memory, check_compatible, gguf_arch, gguf_nextn_layers, gguf_values, read_vocab
-from .config import MTP, PROMPT_LOOKUP, Config, ConfigError
+from .config import MTP, PROMPT_LOOKUP, Config, ConfigError, load_config
 from .crossvocab import file_vocab_map, vocabulary_note
 from .sources import SourceError, describe, is_present, resolve
+
+
+def models_command() -> None:
+    """List the models and pairs from models.toml (and your overrides): where each comes from, whether
+    its file is here, and for pairs whether draft and target are compatible."""
+    console = Console()
+    for table in models_tables(load_config()):
+        console.print(table)
 
 
 def models_tables(config: Config) -> list[Table]:

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backend import BackendError
+from . import compat
+from .errors import BackendError
 
 DEFAULT_PORT = 50052
 PROBE_TIMEOUT = 3.0
@@ -252,11 +253,6 @@ def local_gpu_devices() -> list[int]:
     return out
 
 
-def device_array(handles: Sequence[int]):
-    """A NULL-terminated ggml_backend_dev_t array for llama_model_params.devices."""
-    return (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
-
-
 def device_memory(device: RpcDevice) -> tuple[int, int]:
     """(free, total) bytes the worker reports for its device."""
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -344,39 +340,6 @@ def start_server_thread(endpoint: str, cache_dir: str | None, n_threads: int) ->
 # -- loading a model onto the workers --------------------------------------------------------------
 
 
-class model_devices:
-    """While a `Llama` loads, make its llama_model_params name `handles` as its devices.
-
-    `Llama(...)` builds its model params from llama_model_default_params() and exposes no `devices`
-    (llama-cpp-python 0.3.36); this wraps that one function for the duration of the load. The array only
-    has to live through the load: llama.cpp copies the list into the model."""
-
-    def __init__(self, handles: Sequence[int] | None):
-        self.handles = handles
-
-    def __enter__(self):
-        import llama_cpp.llama_cpp as low
-
-        self._low = low
-        self._orig = low.llama_model_default_params
-        if self.handles is None:
-            return self
-        self._array = device_array(self.handles)
-        array, orig = self._array, self._orig
-
-        def with_devices():
-            params = orig()
-            params.devices = ctypes.cast(array, ctypes.c_void_p)
-            return params
-
-        low.llama_model_default_params = with_devices
-        return self
-
-    def __exit__(self, *exc):
-        self._low.llama_model_default_params = self._orig
-        return False
-
-
 def placement(n_layer: int, n_gpu_layers: int, devices: Sequence[RpcDevice], n_gpus: int = 0) -> str:
     """Where the layers went, counted as llama.cpp counts them: n_layer repeating layers + the output
     layer; -ngl N offloads the last N of those (the output layer first) to the devices named (RPC
@@ -426,14 +389,8 @@ _abandoned: list = []
 def abandon(backend) -> None:
     """Keep a backend whose worker is gone referenced and never freed: freeing its buffers would send
     RPC commands to the dead worker, and ggml aborts on that."""
-    from contextlib import ExitStack
-
     _abandoned.append(backend)
     llm = getattr(backend, "llm", None)
-    # llama-cpp-python frees model and context through these stacks (also from __del__ at exit)
-    for owner in (llm, getattr(llm, "_model", None), getattr(llm, "_ctx", None)):
-        if owner is not None:
-            for attr in ("_stack", "_exit_stack"):
-                if hasattr(owner, attr):
-                    setattr(owner, attr, ExitStack())
+    if llm is not None:
+        compat.never_free(llm)
     backend.close = lambda: None

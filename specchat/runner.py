@@ -1,5 +1,5 @@
 """What every generating command does the same way: turn its RunArgs into a checked RunOptions, load the
-pair behind a spinner, read the prompt. User mistakes raise UserError (one line, exit 2)."""
+pair behind a spinner, read the prompt. User mistakes raise errors.UserError (one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,12 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from .backend import FLASH_ATTN, Backend, BackendError
-from .config import MTP, PROMPT_LOOKUP, Config, ConfigError
+from .backend import FLASH_ATTN, Backend
+from .config import MTP, PROMPT_LOOKUP, Config
+from .errors import UserError
 from .loader import LoadOptions, Selection, load, select
 from .options import MAX_THREADS, RunArgs
 from .sampling import SamplingParams
-from .sources import SourceError
-from .template import TemplateError
-
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -55,9 +50,6 @@ def activity(what: str):
 
 def current_activity() -> str | None:
     return _activity[-1] if _activity else None
-
-
-USER_ERRORS = (UserError, BackendError, ConfigError, SourceError, TemplateError)
 
 
 @dataclass

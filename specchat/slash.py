@@ -84,7 +84,7 @@ def _temp(session: ChatSession, arg: str) -> None:
     except ValueError:
         session.notice(f"/temp takes a number ≥ 0, not {arg!r}" if arg else "/temp takes a number ≥ 0", "spec.error")
         return
-    session.params = params
+    session.conversation.params = params
     session.notice(f"temperature {params.temperature:g}" + (" (greedy)" if params.greedy else ""))
 
 

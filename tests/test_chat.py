@@ -13,11 +13,13 @@ import pytest
 from fakes import CHATML, FakeBackend, ScriptedDrafter
 
 from specchat import chat, ui
+from specchat.errors import UserError
 from specchat.engine import TokenEvent
 from specchat.loader import Loaded, LoadOptions, Selection
 from specchat.runner import RunOptions
 from specchat.sampling import SamplingParams
 from specchat.template import render
+from specchat.transcript import load_transcript
 
 N_VOCAB = 128
 EOG = 0
@@ -179,7 +181,7 @@ def test_ctrl_c_before_the_first_token_drops_the_message(tmp_path):
     assert "not kept" in info.getvalue()
     session.handle("answered")
     assert target.tokens == session.conversation.ids[:-1]
-    system, turns, _ = chat.load_transcript(tmp_path / "t.jsonl")
+    system, turns, _ = load_transcript(tmp_path / "t.jsonl")
     assert [m["content"] for m in turns if m["role"] == "user"] == ["hello", "answered"]
 
 
@@ -207,7 +209,7 @@ def test_transcript_is_written_every_turn_and_resumes(tmp_path):
     session.handle("two")
     assert len(lines(tmp_path / "t.jsonl")) == 5
 
-    system, turns, all_records = chat.load_transcript(tmp_path / "t.jsonl")
+    system, turns, all_records = load_transcript(tmp_path / "t.jsonl")
     assert system == "Sys" and [m["content"] for m in turns][::2] == ["one", "two"]
     resumed, target2, _ = make_session(tmp_path, system=system)
     ids = resumed.conversation.restore(turns)
@@ -219,13 +221,22 @@ def test_transcript_is_written_every_turn_and_resumes(tmp_path):
     assert log["reused"] == len(ids) and log["prompt_evaluated"] == log["prompt_tokens"] - len(ids) + 1
 
 
+def test_a_turn_that_cannot_start_is_one_line_and_the_chat_goes_on(tmp_path):
+    session, _, info = make_session(tmp_path, template="{{ raise_exception('roles must alternate') }}")
+    session.handle("hello")
+    assert "the model's chat template refused this conversation: roles must alternate" in info.getvalue()
+    assert session.conversation.turns == [] and not session.transcript.records  # nothing was kept
+    session.handle("/temp 0.5")  # the chat goes on
+    assert session.params.temperature == 0.5
+
+
 def test_load_transcript_errors(tmp_path):
-    with pytest.raises(chat.UserError, match="no such transcript"):
-        chat.load_transcript(tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match="no such transcript"):
+        load_transcript(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"role": "user", "content": "hi"}\nnot json\n')
-    with pytest.raises(chat.UserError, match=r"bad.jsonl:2"):
-        chat.load_transcript(bad)
+    with pytest.raises(UserError, match=r"bad.jsonl:2"):
+        load_transcript(bad)
 
 
 def test_slash_commands(tmp_path):
@@ -256,7 +267,7 @@ def test_slash_commands(tmp_path):
     session.handle("/system Talk like a pirate.")
     assert session.conversation.messages[0] == {"role": "system", "content": "Talk like a pirate."}
     session.handle("/save " + str(tmp_path / "saved.jsonl"))
-    system, turns, _ = chat.load_transcript(tmp_path / "saved.jsonl")
+    system, turns, _ = load_transcript(tmp_path / "saved.jsonl")
     assert system == "Talk like a pirate." and turns[0]["content"] == "hello"
     session.handle("/frobnicate")
     assert "unknown command /frobnicate" in info.getvalue()

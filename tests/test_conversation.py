@@ -63,3 +63,26 @@ def test_a_real_conversation_through_the_python_api():
         assert second.stats.prompt_tokens_evaluated <= len(second.prompt_token_ids) - len(first.prompt_token_ids)
     finally:
         pair.close()
+
+
+def test_a_turn_stopped_early_keeps_its_reply_and_a_failed_turn_keeps_nothing():
+    from specchat.errors import BackendError
+
+    target = FakeBackend(letters, N_VOCAB, eog=(0,), pieces=[bytes([i]) for i in range(N_VOCAB)], chat_template=CHATML)
+    chat = specchat.Conversation(target, params=specchat.SamplingParams(temperature=0), max_tokens=20)
+    turn = chat.send("Hello")
+    tokens = []
+    for event in turn:
+        if isinstance(event, TokenEvent):
+            tokens.append(event.id)
+            if len(tokens) == 3:
+                break
+    turn.close()  # the caller stopped reading: the reply so far is the conversation's
+    assert turn.finish_reason == "interrupted" and turn.message == chat.messages[-1]
+    assert chat.messages[-1]["content"] == bytes(tokens).decode()
+    assert target.tokens == chat.ids[:-1]
+
+    target.fail_after(2)
+    with pytest.raises(BackendError):
+        list(chat.send("Again"))
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]  # the failed turn left nothing

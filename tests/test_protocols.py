@@ -58,7 +58,7 @@ def captured_run_args(monkeypatch, argv: list[str]) -> options.RunArgs:
         seen.append(args)
         raise typer.Exit(0)
 
-    for module in ("specchat.cli", "specchat.chat", "specchat.runner"):
+    for module in ("specchat.prompt_command", "specchat.chat", "specchat.runner"):
         monkeypatch.setattr(f"{module}.run_options", stop, raising=False)
     monkeypatch.setattr("specchat.report.command.check_out_dir", lambda out: None)
     with pytest.raises(SystemExit) as info:

@@ -350,6 +350,7 @@ def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
     from specchat.loader import LoadOptions, Selection, load
     from specchat.runner import RunOptions
     from specchat.sampling import SamplingParams
+    from specchat.transcript import load_transcript
 
     model_path()
     w = Worker()
@@ -379,7 +380,7 @@ def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
             assert len(session.turn_log) == 2
         finally:
             loaded.close()
-        records = [r["role"] for r in chat.load_transcript(tmp_path / "t.jsonl").records]
+        records = [r["role"] for r in load_transcript(tmp_path / "t.jsonl").records]
         assert records == ["user", "assistant", "user", "assistant"]
     finally:
         w.stop(signal.SIGKILL)

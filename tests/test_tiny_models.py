@@ -42,9 +42,9 @@ def files(tmp_path_factory) -> dict:
 def _local_devices():
     """This machine's devices only: once test_rpc has registered a worker in this process (since gone),
     llama.cpp's default device list would include it and the process would exit on connecting."""
-    from specchat import rpc
+    from specchat import compat, rpc
 
-    return rpc.model_devices(rpc.local_gpu_devices() if rpc.any_registered() else None)
+    return compat.model_devices(rpc.local_gpu_devices() if rpc.any_registered() else None)
 
 
 def _llama(path: Path, **kwargs):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..runner import UserError
+from ..errors import UserError
 
 BASELINE = "target-only"
 POLICY = "policy"

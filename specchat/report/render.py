@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..runner import UserError
+from ..errors import UserError
 from ..sampling import SamplingParams
 from .aggregate import PROJECTION_ASSUMPTION, aggregate
 from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting

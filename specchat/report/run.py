@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from ..backend import Backend, BackendError
 from ..drafters import Drafter
 from ..engine import Finished, TokenEvent, generate
+from ..errors import UserError
 from ..policy import Policy
-from ..runner import UserError
 from ..sampling import SamplingParams
 from ..stats import RunStats
 from .prompts import BASELINE, PromptItem, Setting
