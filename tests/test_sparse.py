@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dense_reference import dense_apply_penalties, dense_process
+from sampling_cases import CASES, DRAFT_FAR, DRAFT_NEAR, DRAFT_ZERO, HISTORY, TARGET
 from specchat.sampling import (
     Dist,
     SamplingParams,
@@ -29,7 +30,6 @@ from specchat.sampling import (
     top_k_lists,
     _sorted,
 )
-from test_sampling import CASES, DRAFT_FAR, DRAFT_NEAR, DRAFT_ZERO, HISTORY, TARGET
 
 RNG = np.random.default_rng(20261202)
 BIG_V = 50_000
