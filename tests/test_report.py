@@ -286,6 +286,19 @@ def test_saved_runs_reaggregate_to_the_same_summary():
     assert rp.aggregate(again, drafter_kind="draft-model") == rp.aggregate(records, drafter_kind="draft-model")
 
 
+def test_run_stats_read_back_are_the_stats_saved():
+    from specchat.stats import RunStats, StepStats
+
+    stats = RunStats(prompt_tokens=7, prompt_tokens_evaluated=3, prefill_seconds=0.5, generate_seconds=1.5,
+                     rollback_recoveries=1)
+    for drafted, accepted, source in ((4, 4, "draft-model"), (3, 1, "lookup"), (0, 0, "")):
+        stats.add(StepStats(step=stats.steps, drafted=drafted, accepted=accepted, emitted=accepted + 1,
+                            draft_seconds=0.01, verify_seconds=0.02, rollback_seconds=0.003, source=source))
+    saved = json.loads(json.dumps(stats.as_dict(counts=True)))
+    assert RunStats.from_dict(saved) == stats
+    assert "position_tries" not in stats.as_dict()  # what transcripts keep: the metrics only
+
+
 def test_tables_show_the_numbers():
     agg = rp.aggregate(hand_records(), drafter_kind="draft-model", min_samples=1)
     specs = rp.table_specs(agg)
