@@ -103,7 +103,7 @@ class FakeBackend:
         self._chat_template = chat_template
         self.calls: list[tuple[list[int], list[int]]] = []
         self._lent: np.ndarray | None = None  # the rows the last eval lent in place ...
-        self._lent_as: np.ndarray | None = None  # ... and a copy of them as lent
+        self._lent_bytes: bytes | None = None  # ... as they were lent
         self.truncations: list[int] = []
         self.removed: list[int] = []  # tokens each truncate call actually dropped (0 = no-op), parallel to truncations
         self._cache: dict[tuple[int, ...], np.ndarray] | None = {} if cache else None
@@ -137,8 +137,13 @@ class FakeBackend:
     def logits_for(self, context: Sequence[int]) -> np.ndarray:
         """The row eval returns after `context` (float32, shape (n_vocab,))."""
         key = tuple(int(t) for t in context)
-        if self._cache is not None and key in self._cache:
-            return self._cache[key]
+        return self._row(key)
+
+    def _row(self, key: tuple[int, ...]) -> np.ndarray:
+        if self._cache is not None:
+            row = self._cache.get(key)
+            if row is not None:
+                return row
         row = np.asarray(self._logits_fn(key), dtype=np.float32)
         assert row.shape == (self.n_vocab,), row.shape
         if self._cache is not None:
@@ -146,6 +151,7 @@ class FakeBackend:
         return row
 
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
+        # the losslessness checks run this some 10^5 times a test: plain loops, no per-row numpy calls
         tokens = [int(t) for t in tokens]
         logits_at = [int(i) for i in logits_at]
         if self._fail_in is not None:
@@ -155,11 +161,10 @@ class FakeBackend:
             self._fail_in -= 1
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise BackendError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > -c {self.n_ctx}")
-        for t in tokens:
-            if not 0 <= t < self.n_vocab:
-                raise BackendError(f"token {t} out of range for vocabulary of {self.n_vocab}")
-        for i in logits_at:
-            assert 0 <= i < len(tokens), (i, tokens)
+        if tokens and not (0 <= min(tokens) and max(tokens) < self.n_vocab):
+            bad = next(t for t in tokens if not 0 <= t < self.n_vocab)
+            raise BackendError(f"token {bad} out of range for vocabulary of {self.n_vocab}")
+        assert all(0 <= i < len(tokens) for i in logits_at), (logits_at, tokens)
         self.calls.append((tokens, logits_at))
         self._take_back_lent_rows()
         self._settle()
@@ -167,13 +172,14 @@ class FakeBackend:
         self.tokens.extend(tokens)
         self.held.extend(tokens)
         self.evaluated += len(tokens)
-        rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
-        for r, i in enumerate(logits_at):
-            rows[r] = self.logits_for(self.held[: start + i + 1])
+        held = self.held
+        # a new array (never the cached rows themselves: lent rows are poisoned later)
+        rows = np.array([self._row(tuple(held[: start + i + 1])) for i in logits_at], dtype=np.float32)
+        rows = rows.reshape(len(logits_at), self.n_vocab)
         if in_place:
             # writeable, as LlamaCppBackend's view of llama.cpp's buffer is (a read-only array would make
             # numpy copy it before an argmax); a caller must still never write one: see _take_back_lent_rows
-            self._lent, self._lent_as = rows, rows.copy()
+            self._lent, self._lent_bytes = rows, rows.tobytes()
         return rows
 
     def _take_back_lent_rows(self) -> None:
@@ -184,12 +190,12 @@ class FakeBackend:
             return
         self.check_lent_rows()
         self._lent.fill(np.nan)
-        self._lent = self._lent_as = None
+        self._lent = self._lent_bytes = None
 
     def check_lent_rows(self) -> None:
         """Fail if a caller wrote into the rows the last eval lent in place (each eval checks it too)."""
         if self._lent is not None:
-            assert np.array_equal(self._lent, self._lent_as, equal_nan=True), \
+            assert self._lent.tobytes() == self._lent_bytes, \
                 f"a caller wrote into rows {self.name} lent in place (llama.cpp's own logits buffer)"
 
     def truncate(self, n_keep: int) -> None:
