@@ -405,8 +405,8 @@ def test_unwritable_out_dir_is_caught_before_running(tmp_path):
 # -- the CLI ----------------------------------------------------------------------------------------
 
 
-def run_cli(args, tmp_path, timeout=600):
-    env = {**os.environ, "SPECCHAT_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT), "NO_COLOR": "1",
+def run_cli(args, tmp_path, home, timeout=600):
+    env = {**os.environ, "SPECCHAT_HOME": str(home), "PYTHONPATH": str(ROOT), "NO_COLOR": "1",
            "COLUMNS": "120"}
     env.pop("SPECCHAT_CONFIG", None)
     return subprocess.run([sys.executable, "-m", "specchat.cli", "report", *args], cwd=tmp_path, env=env,
@@ -444,9 +444,9 @@ def test_cli_bad_inputs_are_one_line_exit_2(cli, tmp_path, monkeypatch):
 
 
 @pytest.mark.real
-def test_real_report_on_the_default_pair(tmp_path):
+def test_real_report_on_the_default_pair(tmp_path, measured_home):
     out = tmp_path / "rep"
-    proc = run_cli(["--limit", "3", "-n", "12", "--sweep", "0,4,policy", "--out", str(out)], tmp_path)
+    proc = run_cli(["--limit", "3", "-n", "12", "--sweep", "0,4,policy", "--out", str(out)], tmp_path, measured_home)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "Recommended overall" in proc.stdout and str(out / "report.json") in proc.stdout
