@@ -215,8 +215,9 @@ class FakeBackend:
         self._saved["turn" if turn else "step"] = list(self.held)
 
     def _settle(self) -> None:
-        """A recurrent state that has seen more than `tokens` goes back to the checkpoint and evaluates the
-        kept tokens again; without a usable checkpoint it starts over (a counted recovery)."""
+        """Bring the cache back to a prefix of `tokens` before it is used. A recurrent state that has seen
+        more goes back to the checkpoint and evaluates the kept tokens again; without a usable checkpoint,
+        or when fail_cuts made an attention cache's cut fail, it starts over (a counted recovery)."""
         if self.held == self.tokens:
             return
         if self.memory.kind == "kv" and len(self.held) > len(self.tokens):  # a cut fail_cuts made fail
