@@ -121,8 +121,10 @@ class RunStats:
         total = self.draft_seconds + self.verify_seconds
         return self.draft_seconds / total if total > 0 else None
 
-    def as_dict(self) -> dict:
-        return {
+    def as_dict(self, *, counts: bool = False) -> dict:
+        """The metrics under their README names (transcripts, report.json). `counts`: also the raw
+        per-position counts, so that saved runs can be read back (`from_dict`) and re-added exactly."""
+        out = {
             "steps": self.steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -145,3 +147,23 @@ class RunStats:
             "end_to_end_tokens_per_second": self.end_to_end_tokens_per_second,
             "rollback_recoveries": self.rollback_recoveries,
         }
+        if counts:
+            out["position_tries"], out["position_hits"] = list(self.position_tries), list(self.position_hits)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunStats:
+        """The inverse of as_dict(counts=True); the keys added since the first report.json are optional."""
+        return cls(
+            steps=d["steps"], drafted=d["drafted"], accepted=d["accepted"], emitted=d["generated_tokens"],
+            decided=d.get("decided_tokens", d["generated_tokens"]),
+            draft_seconds=d["draft_seconds"], verify_seconds=d["verify_seconds"], prefill_seconds=d["prefill_seconds"],
+            generate_seconds=d["generate_seconds"], prompt_tokens=d["prompt_tokens"],
+            prompt_tokens_evaluated=d["prompt_tokens_evaluated"], position_tries=list(d["position_tries"]),
+            position_hits=list(d["position_hits"]),
+            accepted_lengths=Counter({int(k): v for k, v in d["accepted_length_histogram"].items()}),
+            draft_lengths=Counter({int(k): v for k, v in d["draft_lengths"].items()}),
+            drafted_by=Counter(d.get("drafted_by", {})),
+            rollback_recoveries=d.get("rollback_recoveries", 0),
+            rollback_seconds=d.get("rollback_seconds", 0.0),
+        )

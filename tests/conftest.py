@@ -29,14 +29,24 @@ def _isolated_home(tmp_path_factory):
     import os
 
     saved = {k: os.environ.get(k) for k in ("SPECCHAT_HOME", "SPECCHAT_CONFIG")}
-    os.environ["SPECCHAT_HOME"] = str(tmp_path_factory.mktemp("specchat-home"))
+    home = tmp_path_factory.mktemp("specchat-home")
+    os.environ["SPECCHAT_HOME"] = str(home)
     os.environ.pop("SPECCHAT_CONFIG", None)
-    yield
+    yield home
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def measured_home(_isolated_home):
+    """The session's home, for `specchat` subprocesses on real models that are not about a first run: the
+    machine is measured (seconds of calibration per model) and the split models are joined (gigabytes
+    read and hashed) once a session, not once a test. Tests about a first run, or about what a home
+    holds, keep their own."""
+    return _isolated_home
 
 
 @pytest.fixture

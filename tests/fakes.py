@@ -76,7 +76,8 @@ class FakeBackend:
     ):
         """memory="checkpoints": a recurrent model whose state cannot be cut (see MemoryKind): the rows
         come from the tokens its state has really seen (`held`), so a cut that is not undone through a
-        checkpoint shows up as wrong logits or as a counted recovery. fail_restore: restoring raises."""
+        checkpoint shows up as wrong logits or as a counted recovery. fail_restore: restoring raises.
+        The other failure switches are fail_after (a decode) and fail_cuts (a cut of the cache)."""
         self._logits_fn = logits_fn
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
@@ -101,7 +102,8 @@ class FakeBackend:
         self.vocab_type = vocab_type
         self._chat_template = chat_template
         self.calls: list[tuple[list[int], list[int]]] = []
-        self._lent: np.ndarray | None = None
+        self._lent: np.ndarray | None = None  # the rows the last eval lent in place ...
+        self._lent_bytes: bytes | None = None  # ... as they were lent
         self.truncations: list[int] = []
         self.removed: list[int] = []  # tokens each truncate call actually dropped (0 = no-op), parallel to truncations
         self._cache: dict[tuple[int, ...], np.ndarray] | None = {} if cache else None
@@ -114,19 +116,34 @@ class FakeBackend:
         self.bos_text = self.eos_text = ""
         self.closed = False
         self._fail_in: int | None = None  # see fail_after
+        self._cuts_to_fail = 0  # see fail_cuts
 
     def fail_after(self, n_evals: int, message: str = "llama_decode returned -1") -> None:
-        """The failure switch: the next `n_evals` evals work, the one after raises BackendError (as a
-        decode failure in llama.cpp does), once."""
+        """The decode failure switch: the next `n_evals` evals work, the one after raises BackendError (as
+        LlamaCppBackend does when llama_decode fails), once. As there, the failed eval leaves `tokens`
+        and the cache as they were before it."""
         self._fail_in, self._fail_message = n_evals, message
+
+    def fail_cuts(self, n: int | None = None) -> None:
+        """The cut failure switch (an attention cache): the next `n` truncates that drop tokens (every one
+        with None) fail as LlamaCppBackend's do when llama_memory_seq_rm refuses or the sliding window has
+        recycled the cells: the cache starts over, a counted recovery, and the next eval reads every kept
+        token again before its own."""
+        assert self.memory.kind == "kv", "a recurrent fake cuts through checkpoints (see fail_restore)"
+        self._cuts_to_fail = -1 if n is None else n
 
     # -- the protocol --------------------------------------------------------------------------------
 
     def logits_for(self, context: Sequence[int]) -> np.ndarray:
         """The row eval returns after `context` (float32, shape (n_vocab,))."""
         key = tuple(int(t) for t in context)
-        if self._cache is not None and key in self._cache:
-            return self._cache[key]
+        return self._row(key)
+
+    def _row(self, key: tuple[int, ...]) -> np.ndarray:
+        if self._cache is not None:
+            row = self._cache.get(key)
+            if row is not None:
+                return row
         row = np.asarray(self._logits_fn(key), dtype=np.float32)
         assert row.shape == (self.n_vocab,), row.shape
         if self._cache is not None:
@@ -134,6 +151,7 @@ class FakeBackend:
         return row
 
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
+        # the losslessness checks run this some 10^5 times a test: plain loops, no per-row numpy calls
         tokens = [int(t) for t in tokens]
         logits_at = [int(i) for i in logits_at]
         if self._fail_in is not None:
@@ -143,31 +161,42 @@ class FakeBackend:
             self._fail_in -= 1
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise BackendError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > -c {self.n_ctx}")
-        for t in tokens:
-            if not 0 <= t < self.n_vocab:
-                raise BackendError(f"token {t} out of range for vocabulary of {self.n_vocab}")
-        for i in logits_at:
-            assert 0 <= i < len(tokens), (i, tokens)
+        if tokens and not (0 <= min(tokens) and max(tokens) < self.n_vocab):
+            bad = next(t for t in tokens if not 0 <= t < self.n_vocab)
+            raise BackendError(f"token {bad} out of range for vocabulary of {self.n_vocab}")
+        assert all(0 <= i < len(tokens) for i in logits_at), (logits_at, tokens)
         self.calls.append((tokens, logits_at))
-        # rows lent in place are only valid until the next eval, as with llama.cpp's buffer: poison the
-        # last ones so a caller that kept them reads NaN instead of silently stale logits
-        if self._lent is not None:
-            self._lent.flags.writeable = True
-            self._lent.fill(np.nan)
-            self._lent = None
+        self._take_back_lent_rows()
         self._settle()
         start = len(self.held)
         self.tokens.extend(tokens)
         self.held.extend(tokens)
         self.evaluated += len(tokens)
-        rows = np.empty((len(logits_at), self.n_vocab), dtype=np.float32)
-        for r, i in enumerate(logits_at):
-            rows[r] = self.logits_for(self.held[: start + i + 1])
+        held = self.held
+        # a new array (never the cached rows themselves: lent rows are poisoned later)
+        rows = np.array([self._row(tuple(held[: start + i + 1])) for i in logits_at], dtype=np.float32)
+        rows = rows.reshape(len(logits_at), self.n_vocab)
         if in_place:
-            # lent read-only: the real backend's view is llama.cpp's buffer, which callers must never write
-            rows.flags.writeable = False
-            self._lent = rows
+            # writeable, as LlamaCppBackend's view of llama.cpp's buffer is (a read-only array would make
+            # numpy copy it before an argmax); a caller must still never write one: see _take_back_lent_rows
+            self._lent, self._lent_bytes = rows, rows.tobytes()
         return rows
+
+    def _take_back_lent_rows(self) -> None:
+        """Rows lent in place are llama.cpp's buffer in the real backend, valid until the next eval and
+        never to be written. Check that nobody wrote them, then poison them, so a caller that kept them
+        past this eval reads NaN instead of silently stale logits."""
+        if self._lent is None:
+            return
+        self.check_lent_rows()
+        self._lent.fill(np.nan)
+        self._lent = self._lent_bytes = None
+
+    def check_lent_rows(self) -> None:
+        """Fail if a caller wrote into the rows the last eval lent in place (each eval checks it too)."""
+        if self._lent is not None:
+            assert self._lent.tobytes() == self._lent_bytes, \
+                f"a caller wrote into rows {self.name} lent in place (llama.cpp's own logits buffer)"
 
     def truncate(self, n_keep: int) -> None:
         assert n_keep >= 0, n_keep
@@ -175,8 +204,8 @@ class FakeBackend:
         self.removed.append(max(0, len(self.tokens) - n_keep))
         if n_keep < len(self.tokens):
             del self.tokens[n_keep:]
-        if self.memory.kind == "kv":
-            del self.held[n_keep:]
+        if self.memory.kind == "kv" and not self._cuts_to_fail:
+            del self.held[n_keep:]  # an attention cache cuts anywhere (a cut set to fail waits for _settle)
 
     def checkpoint(self, batch: int | None = None, *, turn: bool = False) -> None:
         if self.memory.kind == "kv":
@@ -186,11 +215,17 @@ class FakeBackend:
         self._saved["turn" if turn else "step"] = list(self.held)
 
     def _settle(self) -> None:
-        """A recurrent state that has seen more than `tokens` goes back to the checkpoint and evaluates the
-        kept tokens again; without a usable checkpoint it starts over (a counted recovery)."""
+        """Bring the cache back to a prefix of `tokens` before it is used. A recurrent state that has seen
+        more goes back to the checkpoint and evaluates the kept tokens again; without a usable checkpoint,
+        or when fail_cuts made an attention cache's cut fail, it starts over (a counted recovery)."""
         if self.held == self.tokens:
             return
-        if self.held != self.tokens[: len(self.held)]:  # the state has seen tokens that were cut since
+        if self.memory.kind == "kv" and len(self.held) > len(self.tokens):  # a cut fail_cuts made fail
+            # as LlamaCppBackend._cut with nothing to restore: clear the cache, read what is kept again
+            self._cuts_to_fail -= 1
+            self.rollback_recoveries += 1
+            self.held = []
+        elif self.held != self.tokens[: len(self.held)]:  # the state has seen tokens that were cut since
             usable = [c for c in self._saved.values() if c == self.tokens[: len(c)]]
             saved = max(usable, key=len, default=None)
             if saved is not None:

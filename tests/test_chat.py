@@ -111,6 +111,38 @@ def test_prompt_lookup_sees_the_whole_conversation(tmp_path):
     assert context[: len(turn1)] == turn1  # turn 1's prompt and reply are in what the drafter searches
 
 
+def test_cuts_that_fail_mid_chat_are_repaired_counted_and_shown(tmp_path):
+    """Every cut of the target's cache fails (as LlamaCppBackend's do when llama_memory_seq_rm refuses):
+    the chat says the same, each turn counts its repairs in the transcript and /stats, and the cache ends
+    holding the conversation."""
+
+    def right_then_wrong(ctx, k):  # the target's next letter, then a '!' it never picks: every step is cut
+        return [97 + len(ctx) % 26, ord("!")]
+
+    def chat(fail: bool):
+        session, target, _ = make_session(tmp_path / ("failing" if fail else "healthy"),
+                                          drafter=ScriptedDrafter(fallback=right_then_wrong), max_tokens=8)
+        if fail:
+            target.fail_cuts()
+        for message in ("first question", "second"):
+            session.handle(message)
+        return session, target
+
+    (tmp_path / "healthy").mkdir()
+    (tmp_path / "failing").mkdir()
+    healthy, _ = chat(fail=False)
+    session, target = chat(fail=True)
+    assert session.conversation.messages == healthy.conversation.messages
+    recorded = [r["stats"]["rollback_recoveries"] for r in lines(tmp_path / "failing" / "t.jsonl") if "stats" in r]
+    assert len(recorded) == 2 and all(n >= 3 for n in recorded)  # 8 tokens, 2 per step, each step cut
+    assert sum(recorded) <= target.rollback_recoveries
+    assert "cache cuts repaired by re-reading the context" in ui.breakdown(session.last_stats).plain
+    assert "cache cuts repaired" not in ui.breakdown(healthy.last_stats).plain
+    # the second turn read the whole conversation again, not only its new tokens
+    assert session.turn_log[1]["evaluated"] > healthy.turn_log[1]["evaluated"] + healthy.turn_log[0]["prompt_tokens"]
+    assert target.tokens == session.conversation.ids[:-1]
+
+
 def interrupt_after(n_tokens: int):
     """A view that raises KeyboardInterrupt (Ctrl-C) when the n-th token arrives."""
 

@@ -3,9 +3,11 @@ same text: the target's splits "abc" as "abc" and "cab" as "c" + "ab", the draft
 "ca" + "b"; the draft has no "ab", "bc", "abc", the target no "ca", "cc", "ba".
 
 Losslessness is checked by chi-square on the first and second emitted tokens (test_sampling.py's
-method), with as many draws as fakes.draws_for says catch a 1% error in one token's probability; the
-deliberately wrong variants (TLI's q not renormalised over the shared vocabulary; a drafter that changes
-a committed token) fail the same checks.
+method), with as many draws as fakes.draws_for says catch a 2% error in one token's probability (power
+0.9). The rule itself (`sampling.verify`) carries the 1% claim in test_sampling.py; what these checks add
+is the cross-vocabulary plumbing around it, whose bugs move a token's probability by far more: the
+deliberately wrong variants below (TLI's q not renormalised over the shared vocabulary; a drafter that
+changes a committed token) move one by 7-25%, and fail the same checks at the same number of draws.
 """
 
 from __future__ import annotations
@@ -207,8 +209,13 @@ def first_two(target, drafter, ids, params, k, n, seed) -> tuple[np.ndarray, np.
     return c1, c2
 
 
+# the smallest error in one token's probability the checks must catch (power 0.9): 20k-25k draws a check
+# here, where 1% needs 80k-90k; the wrong variants below move a token by 7% (second token) to 25% (first)
+CROSS_DELTA = 0.02
+
+
 def draws(p1, p2) -> int:
-    return max(draws_for(p1), draws_for(p2))
+    return max(draws_for(p1, CROSS_DELTA), draws_for(p2, CROSS_DELTA))
 
 
 def check(rule, setting, k, seed, cls=CrossVocabDrafter, n=None) -> tuple[float, float, int]:
@@ -223,7 +230,7 @@ def check(rule, setting, k, seed, cls=CrossVocabDrafter, n=None) -> tuple[float,
 
 
 # TLI's q depends on every sampler setting, so it is checked under each; SLEM's proposals are one-hot
-# (q = None), so a dense and a penalised setting suffice. ~20 s each: about 80k draws apiece.
+# (q = None), so a dense and a penalised setting suffice. 20k-25k draws apiece, ~6 s each on 2 cores.
 CASES = [("tli", name) for name in SETTINGS] + [("slem", "temp1.3-topp-minp"), ("slem", "penalties")]
 
 
@@ -235,13 +242,14 @@ def test_cross_vocab_rule_is_lossless(rule, setting):
     assert first > ALPHA and second > ALPHA, (rule, setting, n, first, second)
 
 
-def test_the_draw_counts_catch_a_one_percent_error():
+def test_the_draw_counts_catch_a_two_percent_error():
     target, _, _ = make_pair()
     ids = prompt_ids(target)
     for params in SETTINGS.values():
         p1, p2 = expected_marginals(target, ids, params)
         n = draws(p1, p2)
-        assert detection_power(n, p1, delta=0.01) >= 0.9 and detection_power(n, p2, delta=0.01) >= 0.9
+        assert n <= 25_000
+        assert detection_power(n, p1, delta=0.02) >= 0.9 and detection_power(n, p2, delta=0.02) >= 0.9
 
 
 def test_tli_without_renormalising_fails_the_check(monkeypatch):
@@ -257,7 +265,7 @@ def test_tli_without_renormalising_fails_the_check(monkeypatch):
         return Dist(r.ids, r.probs * q.probs[keep].sum(), r.n_vocab)
 
     monkeypatch.setattr(crossvocab, "restrict_to_shared", unnormalised)
-    first, second, n = check("tli", "temp1", k=2, seed=5, n=20_000)
+    first, second, n = check("tli", "temp1", k=2, seed=5)  # as many draws as the checks above
     assert first < ALPHA or second < ALPHA, (first, second)
 
 
@@ -277,5 +285,5 @@ class ChangesACommittedToken(CrossVocabDrafter):
 
 
 def test_changing_a_committed_token_fails_the_check():
-    first, second, n = check("slem", "temp1", k=2, seed=6, cls=ChangesACommittedToken, n=20_000)
+    first, second, n = check("slem", "temp1", k=2, seed=6, cls=ChangesACommittedToken)  # as many draws as the checks
     assert first < ALPHA or second < ALPHA, (first, second)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from real_models import (
+    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, specchat, teacher_forced_gaps,
+)
 
 from specchat.backend import LlamaCppBackend, check_compatible
 from specchat.config import load_config
@@ -18,10 +21,6 @@ from specchat.loader import LoadOptions, Selection, load
 from specchat.runner import RunOptions
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
-from test_cli import specchat
-from test_real import (
-    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, teacher_forced_gaps,
-)
 
 pytestmark = pytest.mark.real
 
@@ -121,10 +120,10 @@ def test_a_two_turn_chat_reuses_the_drafts_cache(tmp_path):
 # -- the command line ----------------------------------------------------------------------------------
 
 
-def test_prompt_json_says_which_rule_ran(tmp_path):
+def test_prompt_json_says_which_rule_ran(measured_home):
     result = specchat("prompt", "Write one sentence about the sea.", "--pair", "smollm2-gemma", "--json",
                       "--temp", "0.8", "--seed", "3", "-n", "16", "--draft-fixed", "3", "--draft-p-min", "0",
-                      home=tmp_path)
+                      home=measured_home)
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["drafter"] == DRAFT and doc["target"] == "gemma-3-270m"
@@ -132,16 +131,16 @@ def test_prompt_json_says_which_rule_ran(tmp_path):
     assert 0.5 < doc["cross_vocab"]["shared_fraction"] < 1.0
     assert doc["stats"]["drafted"] > 0
     forced = specchat("prompt", "Say hi.", "--pair", "smollm2-gemma", "--json", "--temp", "0.8", "-n", "4",
-                      "--cross-vocab", "slem", home=tmp_path)
+                      "--cross-vocab", "slem", home=measured_home)
     assert json.loads(forced.stdout)["cross_vocab"]["rule"] == "slem"
-    same = specchat("prompt", "Say hi.", "--pair", "smollm2-self", "--json", "-n", "4", home=tmp_path)
+    same = specchat("prompt", "Say hi.", "--pair", "smollm2-self", "--json", "-n", "4", home=measured_home)
     assert "cross_vocab" not in json.loads(same.stdout)  # same vocabulary: nothing to say
 
 
-def test_report_runs_and_projects_a_cross_vocab_pair(tmp_path):
+def test_report_runs_and_projects_a_cross_vocab_pair(tmp_path, measured_home):
     out = tmp_path / "rep"
     result = specchat("report", "--pair", "smollm2-gemma", "--limit", "2", "-n", "32", "--sweep", "0,3",
-                      "--draft-p-min", "0", "--out", str(out), home=tmp_path, timeout=600)
+                      "--draft-p-min", "0", "--out", str(out), home=measured_home, timeout=600)
     assert result.returncode == 0, result.stderr
     doc = json.loads((out / "report.json").read_text())
     assert doc["drafter"] == f"{DRAFT} (cross-vocab SLEM)" and doc["cross_vocab"]["rule"] == "slem"
@@ -152,8 +151,8 @@ def test_report_runs_and_projects_a_cross_vocab_pair(tmp_path):
     assert "Projected" in result.stdout
 
 
-def test_models_shows_the_vocabulary_column(tmp_path):
-    result = specchat("models", home=tmp_path, env={"COLUMNS": "400"})
+def test_models_shows_the_vocabulary_column(measured_home):
+    result = specchat("models", home=measured_home, env={"COLUMNS": "400"})
     assert result.returncode == 0, result.stderr
     lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 4}
     assert "vocabulary" in result.stdout

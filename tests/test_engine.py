@@ -428,6 +428,85 @@ def test_greedy_speculation_equals_plain_greedy(penalty):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# failures: a cut the cache refuses, a decode that fails (the fakes' switches, as LlamaCppBackend fails)
+
+SAMPLED_FREE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED_FREE], ids=["greedy", "sampled"])
+def test_cuts_that_fail_are_repaired_by_reading_the_context_again(params):
+    """Every cut of both caches fails (llama_memory_seq_rm refused, or the sliding window recycled the
+    cells): each cache starts over and reads what it keeps again. The run is the very same run, token for
+    token, and says how many cuts it repaired."""
+    healthy_target, healthy_dm, _ = markov_pair()
+    _, _, healthy = run(healthy_target, healthy_dm, prompt=MPROMPT, params=params, max_tokens=40,
+                        policy=FixedPolicy(4))
+    target, dm, db = markov_pair()
+    target.fail_cuts()
+    db.fail_cuts()
+    _, _, fin = run(target, dm, prompt=MPROMPT, params=params, max_tokens=40, policy=FixedPolicy(4))
+    assert fin.token_ids == healthy.token_ids
+    assert 0 < fin.stats.accepted < fin.stats.drafted  # drafts were rejected: the caches were cut
+    assert target.rollback_recoveries > 2 and db.rollback_recoveries > 2
+    # the run counts the recoveries of both models (a cut left pending at its end is counted when it happens)
+    assert target.rollback_recoveries + db.rollback_recoveries - 2 <= fin.stats.rollback_recoveries
+    assert fin.stats.rollback_recoveries <= target.rollback_recoveries + db.rollback_recoveries
+    assert healthy.stats.rollback_recoveries == 0 and healthy_target.reevaluated == 0
+    assert target.reevaluated > 5 * len(MPROMPT)  # the context was read again, many times
+    assert_cache_consistent(target, MPROMPT, fin.token_ids)
+
+
+def test_a_cut_that_fails_once_costs_one_rereading():
+    target = scripted_target()
+    target.fail_cuts(1)
+    drafter = ScriptedDrafter([[1, 9, 3]])  # the second draft is wrong: the batch [7, 1, 9, 3] is cut to P + 1
+    tokens, _, fin = run(target, drafter, max_tokens=6, policy=FixedPolicy(3))
+    assert [t.id for t in tokens] == WANTED[:6]
+    assert target.rollback_recoveries == fin.stats.rollback_recoveries == 1
+    # the next eval after the failed cut reads the kept tokens (prompt + 1) again, before its own token
+    assert target.reevaluated == P + 1
+    assert target.evaluated == (P - 1) + 4 + (P + 1) + 4  # prefill, the verify batch, the re-read, 4 steps
+    assert_cache_consistent(target, PROMPT, fin.token_ids)
+
+
+@pytest.mark.parametrize("failing", ["target", "draft model"])
+def test_a_decode_that_fails_mid_run_raises_and_leaves_both_caches_usable(failing):
+    """llama_decode fails in the third step (the target's verify, or the draft model's drafting): the run
+    raises BackendError after the tokens it already emitted; the target's cache holds exactly those, and
+    the next run from them gives what an unbroken run gives."""
+    params = SamplingParams(temperature=0.0)
+    _, _, unbroken = run(*markov_pair()[:2], prompt=MPROMPT, params=params, max_tokens=30, policy=FixedPolicy(3))
+    target, dm, db = markov_pair()
+    # evals before the failing one: target prefill + 2 verifies; draft prefill + 2 steps x (sync + 2 drafts)
+    (target if failing == "target" else db).fail_after(3 if failing == "target" else 7)
+    gen = generate(target, dm, MPROMPT, params, max_tokens=30, policy=FixedPolicy(3))
+    seen = []
+    with pytest.raises(BackendError, match="llama_decode returned -1"):
+        for event in gen:
+            if isinstance(event, TokenEvent):
+                seen.append(event.id)
+    assert 2 <= len(seen) < 30 and seen == unbroken.token_ids[: len(seen)]
+    assert (len(target.calls), len(db.calls))[failing != "target"] == (3 if failing == "target" else 7)
+    assert_cache_consistent(target, MPROMPT, seen)
+    _, _, rest = run(target, dm, prompt=MPROMPT + seen, params=params, max_tokens=30 - len(seen),
+                     policy=FixedPolicy(3))
+    assert seen + rest.token_ids == unbroken.token_ids
+    assert rest.stats.prompt_tokens_evaluated == 1  # the target's cache was reused, not read again
+    assert rest.stats.rollback_recoveries == 0
+
+
+def test_a_decode_that_fails_in_the_prefill_leaves_nothing_behind():
+    target = scripted_target()
+    target.fail_after(0)
+    with pytest.raises(BackendError):
+        run(target, ScriptedDrafter(fallback=perfect()), max_tokens=5, policy=FixedPolicy(3))
+    assert target.tokens == [] and target.calls == []
+    tokens, _, fin = run(target, ScriptedDrafter(fallback=perfect()), max_tokens=5, policy=FixedPolicy(3))
+    assert fin.token_ids == WANTED[:5]
+    assert_cache_consistent(target, PROMPT, fin.token_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # DraftModel over a fake backend
 
 

@@ -210,6 +210,7 @@ def test_input_history_on_a_read_only_data_dir_is_kept_in_memory(read_only_home)
     assert len(warnings) == 1 and warnings[0].startswith("input history not saved: ")
 
 
+@pytest.mark.real  # `models` reads the installed GGUFs' vocabularies (llama.cpp, vocab only)
 def test_models_and_a_pair_that_must_be_joined_on_a_read_only_home(cli, read_only_home):
     models = cli("models", home=read_only_home)
     assert models.returncode == 0 and "Traceback" not in models.stderr

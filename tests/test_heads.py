@@ -277,6 +277,7 @@ def mtp_run(path, k: int, n: int = N, pair_offset: int = 0):
 teacher_forced_gaps = tiny_models.teacher_forced_gaps
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_greedy_is_the_targets_argmax_and_never_rereads(mtp_files, k):
     """Forced k over 240 tokens on a hybrid target with snapshots: every emitted token is the target's argmax
@@ -293,6 +294,7 @@ def test_mtp_greedy_is_the_targets_argmax_and_never_rereads(mtp_files, k):
     assert gaps.max() < 0.05, (int(gaps.argmax()), float(gaps.max()))
 
 
+@pytest.mark.tiny
 def test_mtp_wrong_pairing_collapses_acceptance(quiet_mtp_file):
     """The tiny MTP block needs h_{j-1} with x_j: paired with the row before (offset 1) or its own token's row
     (offset -1) its top choice is a tie between two or three tokens, and acceptance collapses (measured:
@@ -305,6 +307,7 @@ def test_mtp_wrong_pairing_collapses_acceptance(quiet_mtp_file):
         assert wrong.accepted / wrong.drafted < most * rate, (offset, wrong.accepted, wrong.drafted, rate)
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize("k", [1, 3])
 def test_eagle3_greedy_is_the_targets_argmax(eagle_files, k):
     """An EAGLE-3 head on a dense llama target, forced k over 240 tokens: every emitted token is the target's
@@ -320,6 +323,7 @@ def test_eagle3_greedy_is_the_targets_argmax(eagle_files, k):
     assert gaps.max() < 0.05, (int(gaps.argmax()), float(gaps.max()))
 
 
+@pytest.mark.tiny
 def test_eagle3_wrong_pairing_collapses_acceptance(eagle_files):
     """g_P must go with x_{P+1} (the deferred boundary): g of the token before, or of x_{P+1} itself, and the
     tiny head's top choice becomes a tie, acceptance collapses."""
@@ -335,6 +339,7 @@ def test_eagle3_wrong_pairing_collapses_acceptance(eagle_files):
 @pytest.mark.parametrize("misfit, needle", [
     ("vocabulary", "another vocabulary"), ("width", "hidden states of width 128"), ("layers", "target layers [1, 2, 7]"),
 ])
+@pytest.mark.tiny
 def test_eagle3_head_that_does_not_fit_is_a_clear_error(eagle_files, misfit, needle):
     path, _, _, misfits = eagle_files
     target = backend(path)
@@ -345,6 +350,7 @@ def test_eagle3_head_that_does_not_fit_is_a_clear_error(eagle_files, misfit, nee
         target.close()
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
 def test_chat_turns_evaluate_only_new_tokens_in_both_contexts(mtp_files, eagle_files, kind):
     """A two-turn chat with -md mtp (and with an EAGLE-3 head): turn two's prompt repeats turn one's
@@ -381,6 +387,7 @@ def test_chat_turns_evaluate_only_new_tokens_in_both_contexts(mtp_files, eagle_f
         target.close()
 
 
+@pytest.mark.tiny
 def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_path, monkeypatch):
     """make_policy measures the head (cached apart from the target: same file, another cost) and the
     draft-model policy learns its per-token cost from the steps."""
@@ -411,6 +418,7 @@ def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_pat
         target.close()
 
 
+@pytest.mark.tiny
 def test_mtp_on_a_model_without_mtp_layers_is_a_clear_error(mtp_files):
     _, plain = mtp_files
     target = backend(plain, mtp=True)
@@ -427,6 +435,7 @@ def test_mtp_on_a_model_without_mtp_layers_is_a_clear_error(mtp_files):
 
 
 
+@pytest.mark.tiny
 def test_cli_mtp_runs(cli, mtp_files, tmp_path):
     path, _ = mtp_files
     result = cli("prompt", " house", "-m", str(path), "-md", "mtp", "--temp", "0", "-n", "24", "--json",
@@ -438,6 +447,7 @@ def test_cli_mtp_runs(cli, mtp_files, tmp_path):
     assert record["stats"]["drafted"] > 0 and record["stats"]["rollback_recoveries"] == 0
 
 
+@pytest.mark.tiny
 def test_cli_hybrid_lookup_and_mtp(cli, mtp_files, tmp_path):
     """--hybrid: prompt lookup where the context repeats, the MTP head elsewhere, per step."""
     import json
@@ -452,6 +462,7 @@ def test_cli_hybrid_lookup_and_mtp(cli, mtp_files, tmp_path):
     assert record["stats"]["drafted_by"].get("mtp", 0) > 0
 
 
+@pytest.mark.tiny
 def test_cli_spec_type_draft_mtp_is_md_mtp(cli, mtp_files, tmp_path):
     path, _ = mtp_files
     result = cli("prompt", " house", "-m", str(path), "--spec-type", "draft-mtp", "--temp", "0", "-n", "8",
@@ -460,6 +471,7 @@ def test_cli_spec_type_draft_mtp_is_md_mtp(cli, mtp_files, tmp_path):
     assert '"drafted"' in result.stdout
 
 
+@pytest.mark.tiny
 def test_cli_eagle3_head_runs(cli, eagle_files, tmp_path):
     path, head_path, _, _ = eagle_files
     for extra in ((), ("--spec-type", "draft-eagle3")):
@@ -475,17 +487,20 @@ def test_cli_eagle3_head_runs(cli, eagle_files, tmp_path):
 @pytest.mark.parametrize("misfit, needle", [
     ("vocabulary", "another vocabulary"), ("width", "trained for another target"), ("layers", "has layers 0..3"),
 ])
+@pytest.mark.tiny
 def test_cli_eagle3_head_that_does_not_fit(cli, eagle_files, tmp_path, misfit, needle):
     path, _, _, misfits = eagle_files
     assert_user_error(cli("prompt", " house", "-m", str(path), "-md", str(misfits[misfit]), home=tmp_path), needle)
 
 
+@pytest.mark.tiny
 def test_cli_spec_type_eagle3_with_a_draft_model(cli, eagle_files, tmp_path):
     path, _, quiet, _ = eagle_files
     assert_user_error(cli("prompt", " house", "-m", str(path), "-md", str(quiet), "--spec-type", "draft-eagle3",
                           home=tmp_path), "not an EAGLE-3 head")
 
 
+@pytest.mark.tiny
 def test_cli_mtp_without_mtp_layers(cli, mtp_files, tmp_path):
     _, plain = mtp_files
     assert_user_error(cli("prompt", " house", "-m", str(plain), "-md", "mtp", home=tmp_path),
@@ -498,11 +513,13 @@ def test_cli_mtp_without_mtp_layers(cli, mtp_files, tmp_path):
     (("--spec-type", "draft-eagle3"), "needs the EAGLE-3 head"),
     (("--spec-type", "ngram-simple", "-md", "mtp"), "prompt lookup"),
 ])
+@pytest.mark.tiny
 def test_cli_spec_type_errors(cli, mtp_files, tmp_path, args, needle):
     path, _ = mtp_files
     assert_user_error(cli("prompt", " house", "-m", str(path), *args, home=tmp_path), needle)
 
 
+@pytest.mark.tiny
 def test_cli_a_llama_cpp_python_without_the_staging_api(cli, mtp_files, tmp_path, monkeypatch):
     """An older llama-cpp-python whose libllama lacks llama_set_embeddings_nextn: one line naming the version
     that has it."""
@@ -515,6 +532,7 @@ def test_cli_a_llama_cpp_python_without_the_staging_api(cli, mtp_files, tmp_path
                       "llama-cpp-python >= 0.3.36", "llama_set_embeddings_nextn")
 
 
+@pytest.mark.tiny
 def test_models_shows_mtp_layers_and_pairs_may_name_mtp(cli, mtp_files, eagle_files, tmp_path):
     path, plain = mtp_files
     config = tmp_path / "models.toml"

@@ -14,6 +14,8 @@ from specchat.engine import Finished, TokenEvent, generate
 from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams
 
+pytestmark = pytest.mark.tiny
+
 GREEDY = SamplingParams(temperature=0.0)
 MEMORY = {"llama": "kv", "lfm2": "snapshots", "qwen35": "snapshots", "mamba2": "checkpoints"}
 N = 240

@@ -497,20 +497,20 @@ def test_selection_follows_the_pair_and_the_flag():
 
 
 @pytest.mark.real
-def test_hybrid_pair_runs_and_says_which_source_drafted(tmp_path):
+def test_hybrid_pair_runs_and_says_which_source_drafted(measured_home):
     """SmolLM2 drafting for itself as a hybrid, on text that repeats: the label names both sources, the
     stats count drafted tokens per source, and a second process finds the saved estimates."""
-    from test_cli import specchat
+    from real_models import specchat
 
     text = "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."
     args = ("prompt", text, "-m", "smollm2-135m", "-md", "smollm2-135m", "--hybrid", "--json", "--temp", "0", "-n", "48")
-    result = specchat(*args, home=tmp_path)
+    result = specchat(*args, home=measured_home)
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["drafter"] == "prompt-lookup + smollm2-135m"
     by = doc["stats"]["drafted_by"]
     assert sum(by.values()) == doc["stats"]["drafted"] and set(by) <= {"prompt-lookup", "draft-model", "history"}
-    saved = json.loads((tmp_path / ".cache" / "acceptance.json").read_text())
+    saved = json.loads((measured_home / ".cache" / "acceptance.json").read_text())
     assert any("prompt-lookup + smollm2-135m" in e["label"] for e in saved["entries"].values())
 
 

@@ -3,13 +3,16 @@ reaches prompt, chat and report alike (both llama.cpp spellings)."""
 
 from __future__ import annotations
 
+import types
+import typing
+
 import numpy as np
 import pytest
 import typer
 from fakes import FakeBackend, ScriptedDrafter, make_draft_model
 
 from specchat import cli, options
-from specchat.backend import Backend, LlamaCppBackend
+from specchat.backend import Backend, VocabInfo
 from specchat.drafters import Drafter, HybridDrafter, PromptLookup
 from specchat.policy import (CostModel, DraftModelPolicy, FixedPolicy, HybridPolicy, LookupPolicy, Policy,
                              make_policy)
@@ -32,10 +35,84 @@ def test_the_fakes_and_the_real_classes_conform():
     assert not isinstance(object(), Backend) and not isinstance(object(), Drafter)
 
 
-def test_llamacpp_backend_declares_every_protocol_member():
-    members = [name for name in dir(Backend) if not name.startswith("_")] + list(Backend.__annotations__)
-    missing = [m for m in set(members) if not hasattr(LlamaCppBackend, m) and m not in LlamaCppBackend.__init__.__code__.co_names]
-    assert not missing, missing
+# --- what a Backend is, checked on an instance: the fake and llama.cpp over a tiny model -----------------
+
+
+def assert_backend_contract(backend) -> None:
+    """Every member Backend declares, with its declared type, and eval / truncate as the engine uses them."""
+    assert isinstance(backend, Backend)
+    for name, hint in typing.get_type_hints(Backend).items():
+        kind = hint if isinstance(hint, types.UnionType) else (typing.get_origin(hint) or hint)
+        assert isinstance(getattr(backend, name), kind), (name, hint, getattr(backend, name))
+    assert all(isinstance(t, int) for t in backend.eog_tokens()) and backend.eog_tokens()
+    assert isinstance(backend.vocab, VocabInfo) and backend.vocab.n_vocab == backend.n_vocab
+    for name in ("bos_text", "eos_text"):
+        assert isinstance(getattr(backend, name), str), name
+    for name in ("chat_template", "placement"):
+        assert isinstance(getattr(backend, name), (str, type(None))), name
+    assert isinstance(backend.token_bytes(3), bytes) and isinstance(backend.is_eog(3), bool)
+
+    # eval appends and returns float32 rows, one per index asked for; rows lent in place are as writeable
+    # as a copy (LlamaCppBackend's view of llama.cpp's buffer is, so that numpy does not copy it)
+    evaluated = backend.evaluated
+    rows = backend.eval([1, 2, 3], [0, 2], in_place=True)
+    assert backend.tokens == [1, 2, 3] and backend.evaluated == evaluated + 3
+    assert isinstance(rows, np.ndarray) and rows.dtype == np.float32 and rows.shape == (2, backend.n_vocab)
+    assert rows.flags.writeable and np.isfinite(rows).all()
+    backend.checkpoint(2)
+    copied = backend.eval([4], [0])
+    assert copied.dtype == np.float32 and copied.shape == (1, backend.n_vocab) and copied.flags.writeable
+    assert backend.eval([5], []).shape == (0, backend.n_vocab)
+    # truncate keeps a prefix, and the next eval reads only what follows it
+    backend.truncate(2)
+    assert backend.tokens == [1, 2]
+    before = backend.evaluated
+    again = backend.eval([3], [0])
+    assert backend.tokens == [1, 2, 3] and backend.evaluated == before + 1
+    backend.eval([4], [0], in_place=True)
+    assert np.isfinite(again).all()  # a row that was not lent in place is the caller's own
+    backend.truncate(0)
+    assert backend.tokens == []
+
+
+def test_the_fake_backend_keeps_the_backend_contract():
+    assert_backend_contract(FakeBackend(lambda ctx: np.arange(8, dtype=np.float32) * len(ctx), 8, eog=(7,)))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    import tiny_models
+
+    return tiny_models.write_model(tmp_path_factory.mktemp("tiny-llama") / "llama.gguf", "llama")
+
+
+@pytest.mark.tiny
+def test_llamacpp_backend_keeps_the_backend_contract(tiny_llama):
+    import tiny_models
+
+    backend = tiny_models.load(tiny_llama)
+    try:
+        assert_backend_contract(backend)
+    finally:
+        backend.close()
+
+
+def test_the_fake_lends_writeable_rows_and_catches_a_caller_that_writes_or_keeps_them():
+    """Rows lent in place are the real backend's logits buffer: writeable, valid until the next eval,
+    never to be written. The fake lends them the same way and checks both rules at its next eval."""
+    backend = FakeBackend(lambda ctx: np.arange(4, dtype=np.float32), 4)
+    lent = backend.eval([1, 2], [0, 1], in_place=True)
+    assert lent.flags.writeable
+    kept = backend.eval([3], [0])
+    assert np.isnan(lent).all() and not np.isnan(kept).any()  # a caller that kept them reads NaN
+    lent = backend.eval([1], [0], in_place=True)
+    lent[0, 0] = 1.0
+    with pytest.raises(AssertionError, match="wrote into rows fake lent in place"):
+        backend.check_lent_rows()
+    with pytest.raises(AssertionError, match="wrote into rows fake lent in place"):
+        backend.eval([2], [0])
 
 
 def test_one_policy_per_drafter_kind():

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from real_models import (
+    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, specchat, teacher_forced_gaps,
+)
 
 from specchat.backend import LlamaCppBackend, check_compatible
 from specchat.config import load_config
@@ -19,9 +22,6 @@ from specchat.policy import AdaptivePolicy, make_policy
 from specchat.runner import RunOptions
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
-from test_real import (
-    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, teacher_forced_gaps,
-)
 
 pytestmark = pytest.mark.real
 

@@ -1,9 +1,8 @@
 """The engine on the two real GGUF models from PyPI (the [models] extra).
 
-Greedy speculative output cannot be bit-identical to plain greedy decoding here: llama.cpp's logits for a
-batch differ from single-token logits by up to ~0.12 (measured with llama-cpp-python 0.3.36). So greedy losslessness is a
-teacher-forced check: evaluate prompt + generated once with the target and require every emitted token
-to be within a small tolerance of that position's best logit.
+Greedy losslessness is the teacher-forced check of real_models.py: batched and single-token logits differ
+by up to ~0.12 here, so every emitted token must be within a small tolerance of that position's best
+logit in one fresh evaluation, not equal to plain greedy decoding's.
 """
 
 from __future__ import annotations
@@ -11,28 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from real_models import GREEDY, TOLERANCE, model_path, prompt_ids_for, run, teacher_forced_gaps
 from specchat.backend import LlamaCppBackend, sync
-from specchat.config import load_config
 from specchat.drafters import DraftModel, IncompatibleDraft, PromptLookup
-from specchat.engine import Finished, TokenEvent, generate
-from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams
-from specchat.sources import resolve
-from specchat.template import render
 
 pytestmark = pytest.mark.real
 
-# batch vs single-token logit noise is <= ~0.12 here; a wrong token is typically several logits below
-TOLERANCE = 0.3
-GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [
     "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
     "Write a Python function that returns the sum of the squares of a list of numbers, then explain it.",
 ]
-
-
-def model_path(name: str):
-    return resolve(load_config().model(name))
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma-3-270m"])
@@ -52,31 +40,6 @@ def self_draft(name):
     backend = LlamaCppBackend(model_path(name), n_ctx=2048, n_threads=2, name=f"{name}-draft")
     yield backend
     backend.close()
-
-
-def run(target, drafter, prompt_ids, params, k, max_tokens=48):
-    events = list(generate(target, drafter, prompt_ids, params, max_tokens=max_tokens, policy=FixedPolicy(k)))
-    finished = events[-1]
-    assert isinstance(finished, Finished)
-    tokens = [e for e in events if isinstance(e, TokenEvent)]
-    assert [e.id for e in tokens] == finished.token_ids
-    return finished, tokens
-
-
-def teacher_forced_gaps(target, prompt_ids, generated) -> np.ndarray:
-    """For each generated token: (best logit at its position) - (its logit), from one fresh batch."""
-    target.truncate(0)
-    sequence = list(prompt_ids) + list(generated)
-    first = len(prompt_ids) - 1
-    rows = target.eval(sequence[:-1], range(first, len(sequence) - 1))
-    target.truncate(0)
-    chosen = rows[np.arange(len(generated)), generated]
-    return rows.max(axis=1) - chosen
-
-
-def prompt_ids_for(target, text):
-    """Instruct models get their chat template (a raw prompt makes SmolLM2 stop at once)."""
-    return render(target, [{"role": "user", "content": text}]).token_ids
 
 
 @pytest.mark.parametrize("drafter_kind", ["prompt-lookup", "self-pair"])
@@ -118,12 +81,14 @@ def test_same_seed_reproduces_a_sampled_run(target, self_draft):
 
 
 def test_rollback_never_fails_over_a_long_run(target, name):
-    """Past gemma-3's 512-token sliding window, with a rollback nearly every step."""
+    """Past gemma-3's 512-token sliding window, with a rollback nearly every step (SmolLM2 has no window:
+    a third of the run shows the same)."""
     prompt_ids = prompt_ids_for(target, "Count upwards from one, one number per line: 1\n2\n3\n")
     params = SamplingParams(temperature=0.7, seed=7, banned=target.eog_tokens())  # --ignore-eos
-    finished, _ = run(target, PromptLookup(1, 3), prompt_ids, params, k=8, max_tokens=640)
-    assert len(finished.token_ids) == 640
-    assert finished.stats.steps > 50
+    n = 640 if name == "gemma-3-270m" else 240
+    finished, _ = run(target, PromptLookup(1, 3), prompt_ids, params, k=8, max_tokens=n)
+    assert len(finished.token_ids) == n
+    assert finished.stats.steps > n // 13
     assert finished.stats.drafted > finished.stats.accepted  # rejections happened, so rollbacks did
     assert finished.stats.rollback_recoveries == 0
     assert target.tokens == prompt_ids + finished.token_ids[:-1]
@@ -164,32 +129,6 @@ def test_gemma_target_refuses_smollm2_draft():
     finally:
         gemma.close()
         smol.close()
-
-
-def quiet_chat_session(loaded, run_opts, transcript_path):
-    """A ChatSession writing to string buffers (no terminal), for driving turns from a test."""
-    import io
-
-    from specchat import chat, ui
-
-    return chat.ChatSession(
-        loaded, run_opts, console=ui.make_console(file=io.StringIO()), info=ui.make_console(file=io.StringIO()),
-        out=io.StringIO(), transcript=chat.Transcript(transcript_path), live=False,
-    )
-
-
-def count_draft_prefills(drafter) -> list[int]:
-    """Wrap drafter.prefill to record how many tokens each call evaluated on the draft's backend."""
-    prefilled: list[int] = []
-    real_prefill = drafter.prefill
-
-    def counting_prefill(ids):
-        before = drafter.backend.evaluated
-        real_prefill(ids)
-        prefilled.append(drafter.backend.evaluated - before)
-
-    drafter.prefill = counting_prefill
-    return prefilled
 
 
 def test_flash_attention_setting_reaches_llama_cpp():

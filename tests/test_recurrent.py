@@ -190,6 +190,7 @@ def test_the_policy_learns_the_checkpoint_cost_from_the_steps():
     assert policy.plan(8) == 0
 
 
+@pytest.mark.tiny
 def test_a_model_that_cannot_be_cut_gets_drafting_off(monkeypatch, tmp_path):
     """llama.cpp can neither cut nor copy its state: the pair loads without a drafter, and says why."""
     import tiny_models

@@ -286,6 +286,19 @@ def test_saved_runs_reaggregate_to_the_same_summary():
     assert rp.aggregate(again, drafter_kind="draft-model") == rp.aggregate(records, drafter_kind="draft-model")
 
 
+def test_run_stats_read_back_are_the_stats_saved():
+    from specchat.stats import RunStats, StepStats
+
+    stats = RunStats(prompt_tokens=7, prompt_tokens_evaluated=3, prefill_seconds=0.5, generate_seconds=1.5,
+                     rollback_recoveries=1)
+    for drafted, accepted, source in ((4, 4, "draft-model"), (3, 1, "lookup"), (0, 0, "")):
+        stats.add(StepStats(step=stats.steps, drafted=drafted, accepted=accepted, emitted=accepted + 1,
+                            draft_seconds=0.01, verify_seconds=0.02, rollback_seconds=0.003, source=source))
+    saved = json.loads(json.dumps(stats.as_dict(counts=True)))
+    assert RunStats.from_dict(saved) == stats
+    assert "position_tries" not in stats.as_dict()  # what transcripts keep: the metrics only
+
+
 def test_tables_show_the_numbers():
     agg = rp.aggregate(hand_records(), drafter_kind="draft-model", min_samples=1)
     specs = rp.table_specs(agg)
@@ -392,8 +405,8 @@ def test_unwritable_out_dir_is_caught_before_running(tmp_path):
 # -- the CLI ----------------------------------------------------------------------------------------
 
 
-def run_cli(args, tmp_path, timeout=600):
-    env = {**os.environ, "SPECCHAT_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT), "NO_COLOR": "1",
+def run_cli(args, tmp_path, home, timeout=600):
+    env = {**os.environ, "SPECCHAT_HOME": str(home), "PYTHONPATH": str(ROOT), "NO_COLOR": "1",
            "COLUMNS": "120"}
     env.pop("SPECCHAT_CONFIG", None)
     return subprocess.run([sys.executable, "-m", "specchat.cli", "report", *args], cwd=tmp_path, env=env,
@@ -431,9 +444,9 @@ def test_cli_bad_inputs_are_one_line_exit_2(cli, tmp_path, monkeypatch):
 
 
 @pytest.mark.real
-def test_real_report_on_the_default_pair(tmp_path):
+def test_real_report_on_the_default_pair(tmp_path, measured_home):
     out = tmp_path / "rep"
-    proc = run_cli(["--limit", "3", "-n", "12", "--sweep", "0,4,policy", "--out", str(out)], tmp_path)
+    proc = run_cli(["--limit", "3", "-n", "12", "--sweep", "0,4,policy", "--out", str(out)], tmp_path, measured_home)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "Recommended overall" in proc.stdout and str(out / "report.json") in proc.stdout

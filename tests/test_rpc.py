@@ -182,6 +182,7 @@ def test_placement_counts_layers_like_llamacpp():
     assert rpc.placement(30, 0, dev) == "all 31 layers on this CPU (-ngl 0)"
 
 
+@pytest.mark.real
 @needs_rpc
 def test_unreachable_worker_is_one_line_within_seconds():
     started = time.monotonic()
@@ -190,6 +191,7 @@ def test_unreachable_worker_is_one_line_within_seconds():
     assert time.monotonic() - started < 30  # mostly Python start-up on a loaded machine
 
 
+@pytest.mark.real
 @needs_rpc
 def test_silent_listener_is_one_line_after_the_probe_timeout():
     """Something listens but never answers (or a worker busy with another client): no hang."""
@@ -231,6 +233,7 @@ def test_worker_stops_cleanly_on_sigint_and_sigterm():
 # -- a live worker -----------------------------------------------------------------------------------
 
 
+@pytest.mark.real
 @needs_rpc
 def test_greedy_reply_over_rpc_is_the_targets_and_the_worker_did_the_work(worker):
     from specchat.backend import LlamaCppBackend
@@ -288,6 +291,7 @@ def test_cost_model_is_keyed_per_endpoint_set():
     assert before_rpc == local
 
 
+@pytest.mark.real
 @needs_rpc
 def test_ngl_counts_the_layers_placed_on_the_worker(worker):
     from specchat.backend import LlamaCppBackend
@@ -303,6 +307,7 @@ def test_ngl_counts_the_layers_placed_on_the_worker(worker):
         remote.close()
 
 
+@pytest.mark.real
 @needs_rpc
 def test_worker_with_too_little_memory_is_one_line(worker):
     # cap the worker's address space a little above what it uses now: the model's buffers cannot fit
@@ -317,6 +322,7 @@ def test_worker_with_too_little_memory_is_one_line(worker):
     assert worker.proc.poll() is None  # the worker survives a client it could not serve
 
 
+@pytest.mark.real
 @needs_rpc
 def test_worker_killed_mid_reply_is_one_line_exit_2(worker):
     client = subprocess.Popen(
@@ -344,6 +350,7 @@ def test_worker_killed_mid_reply_is_one_line_exit_2(worker):
     assert worker.endpoint in lines[0]
 
 
+@pytest.mark.real
 @needs_rpc
 def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
     from specchat import chat, ui

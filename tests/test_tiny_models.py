@@ -21,6 +21,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 import tiny_models as tm  # noqa: E402
 
+pytestmark = pytest.mark.tiny
+
 N_RS_SEQ = 4
 CHAT_PROMPT = b"<|im_start|>user\nTell me a story about a cat.<|im_end|>\n<|im_start|>assistant\n"
 

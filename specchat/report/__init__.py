@@ -29,8 +29,7 @@ from .prompts import (ALL, BASELINE, DEFAULT_CATEGORY, POLICY, PromptItem, Setti
                       load_prompts, parse_prompts, parse_sweep, select_prompts)
 from .render import (SCHEMA, TERMINAL_POSITIONS, TableSpec, build_doc, check_out_dir, markdown_table, render_markdown,
                      rich_tables, table_specs, usage_hint, write_chart, write_outputs)
-from .run import (RunRecord, record_from_dict, record_from_events, reset_caches, run_report, stats_dict,
-                  stats_from_dict, warm_up)
+from .run import RunRecord, record_from_dict, record_from_events, reset_caches, run_report, warm_up
 
 __all__ = [
     "ALL", "BASELINE", "DEFAULT_CATEGORY", "POLICY", "PROJECTION_ASSUMPTION", "SCHEMA", "TERMINAL_POSITIONS",
@@ -38,6 +37,6 @@ __all__ = [
     "aggregate", "build_doc", "builtin_text", "check_out_dir", "draft_cost_ratio", "fixed", "load_prompts",
     "markdown_table", "parse_prompts", "parse_sweep", "project_best_k", "projected_speedup", "recommend",
     "record_from_dict", "record_from_events", "render_markdown", "reset_caches", "rich_tables", "run_report",
-    "select_prompts", "stats_dict", "stats_from_dict", "summary_row", "table_specs", "usage_hint", "warm_up",
+    "select_prompts", "summary_row", "table_specs", "usage_hint", "warm_up",
     "write_chart", "write_outputs",
 ]

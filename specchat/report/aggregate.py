@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from ..stats import RunStats
 from .prompts import ALL, BASELINE
-from .run import RunRecord, stats_dict
+from .run import RunRecord
 
 
 class _Row(Mapping):
@@ -61,7 +61,7 @@ class SummaryRow(_Row):
     def as_dict(self) -> dict:
         row = super().as_dict()
         del row["stats"]
-        return {"prompts": self.prompts, "runs": self.runs, **stats_dict(self.stats), **row}
+        return {"prompts": self.prompts, "runs": self.runs, **self.stats.as_dict(counts=True), **row}
 
 
 @dataclass(eq=False)

@@ -11,8 +11,8 @@ import typer
 from .. import options as opt
 from ..policy import FixedPolicy, Policy, make_policy
 from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting, load_prompts, parse_sweep, select_prompts
-from .render import (TERMINAL_POSITIONS, _num, _times, build_doc, check_out_dir, rich_tables, table_specs, usage_hint,
-                     write_outputs)
+from .render import (TERMINAL_POSITIONS, build_doc, check_out_dir, number_text, rich_tables, speedup_text, table_specs,
+                     usage_hint, write_outputs)
 from .run import run_report, warm_up
 
 
@@ -134,15 +134,15 @@ def report_command(
     rec = doc["recommended"][ALL]
     if rec["worth_it"]:
         console.print(f"Recommended overall: [bold green]{rec['setting']}[/] "
-                      f"({_times(rec['speedup_end_to_end'])} end-to-end, {_times(rec['speedup_generation'])} "
+                      f"({speedup_text(rec['speedup_end_to_end'])} end-to-end, {speedup_text(rec['speedup_generation'])} "
                       f"generation; run with {usage_hint(rec['setting'])})")
     else:
         console.print("Recommended overall: [bold]target-only[/] — no setting beat plain decoding on this machine")
     pr = (doc.get("projected") or {}).get(ALL)
     if pr is not None:
-        console.print(f"Projected on a GPU-like machine: draft k = {pr['k']}, {_times(pr['speedup'])}; drafting pays "
-                      f"where the draft costs < {_num(pr['break_even_cost_ratio'])}x the target per token "
-                      f"(c = {_num(pr['draft_cost_ratio'])} here); {projection_basis(pr)} "
+        console.print(f"Projected on a GPU-like machine: draft k = {pr['k']}, {speedup_text(pr['speedup'])}; drafting pays "
+                      f"where the draft costs < {number_text(pr['break_even_cost_ratio'])}x the target per token "
+                      f"(c = {number_text(pr['draft_cost_ratio'])} here); {projection_basis(pr)} "
                       f"({doc['projection_assumption']})", markup=False)
     elif any(r["drafted"] for r in doc["summary"][ALL].values()):
         need = doc.get("min_position_samples", 1)

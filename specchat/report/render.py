@@ -35,15 +35,18 @@ def usage_hint(setting: str) -> str:
     return f"--draft-fixed {setting.removeprefix('k=')}"
 
 
-def _pct(x: float | None) -> str:
+# how the tables, report.md and the command's closing lines write a number ("–" where there is none)
+
+
+def percent_text(x: float | None) -> str:
     return "–" if x is None else f"{x:.0%}"
 
 
-def _num(x: float | None, digits: int = 2) -> str:
+def number_text(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def _times(x: float | None) -> str:
+def speedup_text(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}×"
 
 
@@ -71,8 +74,8 @@ def table_specs(agg: Mapping, *, categories: Sequence[str] | None = None, max_po
     for cat in [*agg["categories"], ALL]:
         r = rec[cat]
         best = summary[cat][r["setting"]]
-        rows.append([cat, str(summary[cat][BASELINE]["prompts"]), r["setting"], _times(r["speedup_end_to_end"]),
-                     _times(r["speedup_generation"]), _pct(best["acceptance_rate"]), _num(best["mean_accepted_length"])])
+        rows.append([cat, str(summary[cat][BASELINE]["prompts"]), r["setting"], speedup_text(r["speedup_end_to_end"]),
+                     speedup_text(r["speedup_generation"]), percent_text(best["acceptance_rate"]), number_text(best["mean_accepted_length"])])
     specs.append(TableSpec(
         "Recommended setting per category (best measured end-to-end speedup)",
         ["category", "prompts", "setting", "e2e ×", "gen ×", "acc.", "τ"], rows, highlight={len(rows) - 1},
@@ -85,9 +88,9 @@ def table_specs(agg: Mapping, *, categories: Sequence[str] | None = None, max_po
             if name == rec[cat]["setting"]:
                 highlight.add(len(rows))
             rows.append([
-                cat, name, str(row["generated_tokens"]), _pct(row["acceptance_rate"]), _num(row["mean_accepted_length"]),
-                _num(row["tokens_per_second"], 1), _times(row["speedup_generation"]), _times(row["speedup_end_to_end"]),
-                _pct(row["draft_share"]), _times(row["projected_speedup"]),
+                cat, name, str(row["generated_tokens"]), percent_text(row["acceptance_rate"]), number_text(row["mean_accepted_length"]),
+                number_text(row["tokens_per_second"], 1), speedup_text(row["speedup_generation"]), speedup_text(row["speedup_end_to_end"]),
+                percent_text(row["draft_share"]), speedup_text(row["projected_speedup"]),
             ])
     specs.append(TableSpec(
         "Speed and acceptance (measured; target-only is the baseline row)",
@@ -106,8 +109,8 @@ def table_specs(agg: Mapping, *, categories: Sequence[str] | None = None, max_po
         if pr is None:
             rows.append([cat, "–", "–", "–", "–", "–"])
         else:
-            rows.append([cat, _num(pr["draft_cost_ratio"]), str(pr["k"]), _num(pr["tokens_per_step"]),
-                         _times(pr["speedup"]), _num(pr["break_even_cost_ratio"])])
+            rows.append([cat, number_text(pr["draft_cost_ratio"]), str(pr["k"]), number_text(pr["tokens_per_step"]),
+                         speedup_text(pr["speedup"]), number_text(pr["break_even_cost_ratio"])])
     specs.append(TableSpec(
         "Projected where verifying k tokens costs one decode (a GPU at batch 1)",
         ["category", "c", "best k", "τ at k", "proj. ×", "pays if c <"], rows, highlight={len(rows) - 1},
@@ -198,7 +201,7 @@ def render_markdown(doc: dict) -> str:
     agg = doc
     p = doc["params"]
     rec = doc["recommended"][ALL]
-    verdict = (f"**{rec['setting']}** ({_times(rec['speedup_end_to_end'])} end-to-end; "
+    verdict = (f"**{rec['setting']}** ({speedup_text(rec['speedup_end_to_end'])} end-to-end; "
                f"run with {usage_hint(rec['setting'])})" if rec["worth_it"]
                else "**target-only**: no setting beat plain decoding on this machine")
     head = [

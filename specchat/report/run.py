@@ -46,37 +46,15 @@ class RunRecord:
             "finish_reason": self.finish_reason,
             "matches_baseline": self.matches_baseline,
             "sources": dict(sorted(self.sources.items())),
-            "stats": stats_dict(self.stats),
+            "stats": self.stats.as_dict(counts=True),
             "text": self.text,
         }
-
-
-def stats_dict(stats: RunStats) -> dict:
-    """RunStats.as_dict() plus the raw per-position counts, so rows can be re-added exactly."""
-    return {**stats.as_dict(), "position_tries": list(stats.position_tries), "position_hits": list(stats.position_hits)}
-
-
-def stats_from_dict(d: dict) -> RunStats:
-    """The inverse of stats_dict (report.json's per-run `stats`): re-aggregate a saved report."""
-    return RunStats(
-        steps=d["steps"], drafted=d["drafted"], accepted=d["accepted"], emitted=d["generated_tokens"],
-        decided=d.get("decided_tokens", d["generated_tokens"]),
-        draft_seconds=d["draft_seconds"], verify_seconds=d["verify_seconds"], prefill_seconds=d["prefill_seconds"],
-        generate_seconds=d["generate_seconds"], prompt_tokens=d["prompt_tokens"],
-        prompt_tokens_evaluated=d["prompt_tokens_evaluated"], position_tries=list(d["position_tries"]),
-        position_hits=list(d["position_hits"]),
-        accepted_lengths=Counter({int(k): v for k, v in d["accepted_length_histogram"].items()}),
-        draft_lengths=Counter({int(k): v for k, v in d["draft_lengths"].items()}),
-        drafted_by=Counter(d.get("drafted_by", {})),
-        rollback_recoveries=d.get("rollback_recoveries", 0),
-        rollback_seconds=d.get("rollback_seconds", 0.0),
-    )
 
 
 def record_from_dict(d: dict) -> RunRecord:
     return RunRecord(
         prompt_id=d["prompt_id"], category=d["category"], turn=d["turn"], setting=d["setting"], order=d["order"],
-        stats=stats_from_dict(d["stats"]), finish_reason=d.get("finish_reason", ""), text=d.get("text", ""),
+        stats=RunStats.from_dict(d["stats"]), finish_reason=d.get("finish_reason", ""), text=d.get("text", ""),
         sources=dict(d.get("sources", {})), matches_baseline=d.get("matches_baseline"),
     )
 
