@@ -157,6 +157,21 @@ class CostModel:
         base = self._table_list[n] if n < len(self._table_list) else self._extend(n)
         return base * self.scale * (self.batch if n > 1 else 1.0)
 
+    def seconds_list(self, n_max: int) -> list[float]:
+        """What `costs(n_max)` says, as a list: the policy reads these every step, right after a decode,
+        when a Python list is cheaper than any numpy call."""
+        if n_max >= len(self._table_list):
+            return self.costs(n_max).tolist()
+        one, batch = self.scale, self.scale * self.batch
+        table = self._table_list
+        return [0.0, table[1] * one] + [table[n] * batch for n in range(2, n_max + 1)] if n_max >= 1 else [0.0]
+
+    def sendable_list(self, n_max: int) -> list[bool]:
+        """What `sendable(n_max)` says, as a list."""
+        if n_max >= len(self._sendable_list):
+            return self.sendable(n_max).tolist()
+        return self._sendable_list[: n_max + 1]
+
     def costs(self, n_max: int) -> np.ndarray:
         """Seconds for batch sizes 0..n_max (index = size)."""
         if n_max < len(self._table):
@@ -377,10 +392,7 @@ def best_length(
     and on a rejection the restore and the kept tokens evaluated again), as observed."""
     a = a.tolist() if isinstance(a, np.ndarray) else list(a)
     n_max = len(a)
-    table, sendable = verify_cost._table_list, verify_cost._sendable_list
-    one, batch = verify_cost.scale, verify_cost.scale * verify_cost.batch  # a plain step's factor, a batch's
-    if n_max + 1 >= len(table):  # past the table: the extended costs, as arrays
-        table, sendable, one, batch = verify_cost.costs(n_max + 1).tolist(), verify_cost.sendable(n_max + 1).tolist(), 1.0, 1.0
+    table, sendable = verify_cost.seconds_list(n_max + 1), verify_cost.sendable_list(n_max + 1)
     rates = [0.0] * (n_max + 1)
     accepted = 0.0  # expected accepted drafts among the first n
     run = 1.0  # P(drafts 0..n-1 all accepted)
@@ -389,8 +401,7 @@ def best_length(
             run *= a[n - 1]
             accepted += run
         if sendable[n + 1]:
-            rates[n] = (1.0 + accepted) / (table[n + 1] * (batch if n else one) + n * draft_cost_per_token + overhead
-                                           + (rollback if n else 0.0))
+            rates[n] = (1.0 + accepted) / (table[n + 1] + n * draft_cost_per_token + overhead + (rollback if n else 0.0))
     if max(rates[1:], default=0.0) < rates[0] * margin:
         return 0, rates[0]  # a predicted gain this small is inside the estimates' error
     threshold = max(rates) / 1.01
