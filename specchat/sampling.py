@@ -214,6 +214,14 @@ def _penalised(
     return (ids, values) if len(ids) else None
 
 
+def penalty_window(tokens: Sequence[int], params: SamplingParams) -> list[int]:
+    """The tokens the penalties read at the next position: the last repeat_last_n (a copy to append
+    drafts to, whose size does not grow with the context), all of them for -1, none without a penalty."""
+    if not params.has_penalty:
+        return []
+    return list(tokens) if params.repeat_last_n == -1 else list(tokens[-params.repeat_last_n :])
+
+
 def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
     """The whole row with penalties and bans applied (a copy when anything changes)."""
     changed = _penalised(logits, params, history)

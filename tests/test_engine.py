@@ -144,13 +144,13 @@ def test_sampled_draft_with_explicit_q():
 def test_multi_step_stats_and_truncations(params):
     target = scripted_target()
     drafter = ScriptedDrafter([[1, 2, 3], [9], [6, 7, 9, 9]])
-    events = generate(target, drafter, PROMPT, params, max_tokens=50, policy=FixedPolicy(4))
+    # collected first, read after: each StepEvent.totals is the run as of its step, not the live RunStats
+    events = list(generate(target, drafter, PROMPT, params, max_tokens=50, policy=FixedPolicy(4)))
     tokens, snapshots = [], []
     for e in events:
         if isinstance(e, TokenEvent):
             tokens.append(e)
         elif isinstance(e, StepEvent):
-            # StepEvent.totals is the live RunStats: copy what we check as it arrives
             snapshots.append((e.stats, e.totals.steps, e.totals.drafted, e.totals.accepted, e.totals.emitted))
         else:
             fin = e
@@ -164,6 +164,7 @@ def test_multi_step_stats_and_truncations(params):
         (3, 3, 4, 4), (1, 0, 1, 4), (4, 2, 3, 4), (0, 0, 0, 4),
     ]  # fmt: skip
     assert [tuple(x[1:]) for x in snapshots] == [(1, 3, 3, 4), (2, 4, 3, 5), (3, 8, 5, 8), (4, 8, 5, 8)]
+    assert [dict(e.totals.accepted_lengths) for e in events if isinstance(e, StepEvent)][:2] == [{3: 1}, {3: 1, 0: 1}]
     assert target.truncations == [0, P + 3, P + 4, P + 5 + 2, P + 8, P + 8 - 1]
     st = fin.stats
     assert (st.steps, st.drafted, st.accepted, st.emitted) == (4, 8, 5, 8)
