@@ -546,6 +546,62 @@ def test_draft_min_discards_short_drafts():
     assert dm3.propose(PROMPT, 4, GREEDY, np.random.default_rng(0)).tokens == [1, 1]
 
 
+class ReadCounter(list):
+    """A context that counts the items its slices hand out: what a drafter reads of it."""
+
+    read = 0
+
+    def __getitem__(self, i):
+        out = super().__getitem__(i)
+        if isinstance(i, slice):
+            self.read += len(out)
+        return out
+
+    def __iter__(self):
+        self.read += len(self)
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, repeat_penalty=1.3, seed=0)],
+                         ids=["greedy", "penalties"])
+def test_a_draft_model_step_reads_only_what_the_context_gained(params):
+    """After the first proposal of a generation, a step compares only the tokens appended since and reads
+    the penalty window, not the whole context: its cost does not grow with the conversation."""
+    dm, db = make_draft_model(markov_logits(MARKOV_DRAFT), MV, n_ctx=8192)
+    context = ReadCounter(np.random.default_rng(0).integers(0, MV, 5000).tolist())
+    dm.prefill(context)
+    rng = np.random.default_rng(1)
+    dm.propose(context, 4, params, rng)  # the first compares the whole context once
+    for _ in range(5):
+        context.extend([2, 3])
+        context.read = 0
+        draft = dm.propose(context, 4, params, rng)
+        assert context.read <= 2 * 2 + params.repeat_last_n + 8
+        assert len(draft.tokens) == 4 and db.tokens == [*context, *draft.tokens[:-1]]
+    # anything else evaluated on the draft's cache, or another context list: compared in full, still right
+    db.truncate(100)
+    db.eval([1, 1, 1], [])
+    assert dm.propose(context, 4, params, rng).tokens and db.tokens[: len(context)] == context
+    other = [*context[:200], 4, 4]
+    assert dm.propose(other, 4, params, rng).tokens and db.tokens[: len(other)] == other
+
+
+def test_verify_penalties_read_the_window_not_the_context():
+    """Row i's penalties read the last repeat_last_n tokens of context + d<i, and only those are copied
+    (-1: the whole context, as the setting asks)."""
+    context = ReadCounter(np.random.default_rng(2).integers(0, MV, 3000).tolist())
+    drafts = [1, 2, 3]
+    for last_n, most in ((64, 64), (5, 5), (-1, 3000)):
+        params = SamplingParams(repeat_penalty=1.3, repeat_last_n=last_n)
+        context.read = 0
+        history = engine.penalty_history(context, drafts, params)
+        assert context.read <= most
+        n = len(context) + len(drafts) if last_n == -1 else last_n
+        for i in range(len(drafts) + 1):
+            assert list(history(i))[-n:] == [*context, *drafts[:i]][-n:]
+    assert engine.penalty_history(context, drafts, SamplingParams())(2) == ()
+
+
 def test_draft_model_respects_its_context():
     fn = _confidence_logits([6.0] * 20)
     dm, db = make_draft_model(fn, V, n_ctx=P + 2)
