@@ -105,6 +105,9 @@ def generate(
     backends = [target] + ([draft_backend] if draft_backend is not None else [])
     recoveries_before = sum(b.rollback_recoveries for b in backends)
 
+    def recoveries() -> int:
+        return sum(b.rollback_recoveries for b in backends) - recoveries_before
+
     started = time.perf_counter()
     evaluated_before = target.evaluated
     sync(target, prompt_ids[:-1], logits_last=False, turn=True)
@@ -144,6 +147,7 @@ def generate(
             stats.add(step)
             policy.observe(step, draft.tokens, emitted)
             stats.generate_seconds = time.perf_counter() - gen_started
+            stats.rollback_recoveries = recoveries()
             yield StepEvent(step, stats.snapshot())
     except (GeneratorExit, KeyboardInterrupt):
         reply.finish = "interrupted"
@@ -153,7 +157,7 @@ def generate(
         # the kept conversation minus its last token, so the next turn can reuse it.
         target.truncate(len(reply.context) - 1)
         stats.generate_seconds = time.perf_counter() - gen_started
-        stats.rollback_recoveries = sum(b.rollback_recoveries for b in backends) - recoveries_before
+        stats.rollback_recoveries = recoveries()
         policy.finish()
     tail = reply.close()
     yield Finished(
