@@ -4,6 +4,10 @@ Invariant between steps: `context` is the prompt plus every emitted token; the t
 context[:-1]. A step evaluates [context[-1], d1..dk] in ONE target batch, which yields p1..p(k+1);
 `sampling.verify` keeps a prefix of the drafts and adds one target token; the cache is cut back to the
 kept tokens. k = 0 is plain decoding through the same code.
+
+`generate` is the loop (plan, draft, verify, emit, record); `verify_step` is one verify and its cut;
+`Reply` holds what was emitted, its text and the token budget. Per step, nothing here reads more of the
+context than the penalty window (see `penalty_history`), so a step costs the same at any context length.
 """
 
 from __future__ import annotations
