@@ -16,6 +16,7 @@
    vocabulary, 2 layers, so a 32k prefill takes seconds; the host's share is what is measured). Each
    context length runs in a process of its own; `--before REV` also runs REV's specchat (a temporary git
    worktree) in alternation with this checkout's, so before and after share the machine's state.
+   `--evict-mb 64` reads 64 MB after every decode, so each step starts from equally cold caches.
 5. cache (`--parts cache`): why the host time is what it is on a CPU. The same `sampling.process` call on
    the same row, timed as the 1st, 2nd and 8th call in a row: right after a llama_decode, after
    streaming 1 GB through the caches with no decode at all, after a 10 ms sleep, and warm.
@@ -32,6 +33,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,18 +59,24 @@ SUMMARY_PROMPT = ("Summarise in two sentences: The Nile is the longest river in 
 
 
 class DecodeTimer:
-    """Wraps llama_cpp.llama_decode: seconds spent inside it, and calls."""
+    """Wraps llama_cpp.llama_decode: seconds spent inside it, and calls. With `evict_mb`, each decode is
+    followed (inside the timed part) by a pass over that many MB, so the host work after it starts from
+    equally cold caches whatever the decode did: a 20 ms decode at 32k context leaves the caches colder
+    than a 1 ms one at 512, and a fixed piece of Python then takes 4x as long (see docs/benchmarks.md)."""
 
-    def __init__(self):
+    def __init__(self, evict_mb: int = 0):
         self.seconds = 0.0
         self.calls = 0
         self._real = llama_cpp.llama_decode
+        evict = np.ones(evict_mb << 18, dtype=np.float32) if evict_mb else None
 
         def timed(ctx, batch):
             t0 = time.perf_counter()
             try:
                 return self._real(ctx, batch)
             finally:
+                if evict is not None:
+                    evict.sum()
                 self.seconds += time.perf_counter() - t0
                 self.calls += 1
 
@@ -289,7 +297,7 @@ def context_child(a) -> None:
     n_ctx = length + a.n + 64
     target = LlamaCppBackend(a.models_dir / "target.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
     draft = LlamaCppBackend(a.models_dir / "draft.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
-    timer = DecodeTimer()
+    timer = DecodeTimer(a.evict_mb)
     drafters = {"target only": None, "prompt lookup": PromptLookup(1, 4), "draft model": DraftModel(draft)}
     out = {}
     for drafter_name in CONTEXT_DRAFTERS:
@@ -338,7 +346,7 @@ def part_context(a) -> None:
                     env = {**os.environ, "SPECCHAT_UNDER_TEST": trees[version]}
                     done = subprocess.run(
                         [sys.executable, __file__, "--child-context", str(length), "--models-dir", str(work),
-                         "-n", str(a.n), "-t", str(a.threads), "--runs", str(a.runs)],
+                         "-n", str(a.n), "-t", str(a.threads), "--runs", str(a.runs), "--evict-mb", str(a.evict_mb)],
                         env=env, capture_output=True, text=True, timeout=1800)
                     if done.returncode != 0:
                         raise RuntimeError(f"{version} at {length}: {done.stderr[-2000:]}")
@@ -349,9 +357,11 @@ def part_context(a) -> None:
     finally:
         if a.before:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
     names = [f"{x // 1024}k" if x % 1024 == 0 else str(x) for x in lengths]
     print(f"## host us per step outside llama_decode by context length, tiny llama pair (49k vocabulary), "
-          f"fixed k = 4, -n {a.n}, best of {a.runs} runs x {a.reps} processes")
+          f"fixed k = 4, -n {a.n}, best of {a.runs} runs x {a.reps} processes"
+          + (f", caches evicted after each decode ({a.evict_mb} MB)" if a.evict_mb else ""))
     header = f"{'drafter':<15}{'sampler':<27}{'specchat':<9}" + "".join(f"{n:>9}" for n in names)
     print(header + f"{'last/first':>12}")
     for drafter_name in CONTEXT_DRAFTERS:
@@ -374,6 +384,8 @@ def main() -> None:
                         "unless --parts names others)")
     parser.add_argument("--before", metavar="REV", help="context part: also measure REV's specchat, alternating")
     parser.add_argument("--runs", type=int, default=3, help="context part: runs per cell in each process")
+    parser.add_argument("--evict-mb", type=int, default=0, help="context part: read this many MB after each decode "
+                        "(inside the decode's time), so every step starts from equally cold caches")
     parser.add_argument("--child-context", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--models-dir", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args()
