@@ -287,6 +287,38 @@ def context_tokens(length: int) -> list[int]:
     return rng.choice(word_tokens(), length - len(tail)).tolist() + tail
 
 
+class StubModel:
+    """A backend with no model (--stub): eval appends the tokens and lends fixed random rows over a 49k
+    vocabulary at once. What is left of a step is specchat's own work, with caches as warm as they get,
+    so its growth with the context is the code's alone."""
+
+    name, path, memory = "stub", None, None
+
+    def __init__(self, n_ctx: int, seed: int):
+        self.rows = np.random.default_rng(seed).normal(0, 3, (17, 49152)).astype(np.float32)
+        self.n_ctx, self.n_vocab = n_ctx, self.rows.shape[1]
+        self.tokens: list[int] = []
+        self.evaluated = self.rollback_recoveries = self.reevaluated = 0
+        self.rollback_seconds = 0.0
+
+    def eval(self, tokens, logits_at, *, in_place=False):
+        self.tokens.extend(tokens)
+        self.evaluated += len(tokens)
+        return self.rows[: len(list(logits_at))]
+
+    def truncate(self, n_keep: int) -> None:
+        del self.tokens[n_keep:]
+
+    def checkpoint(self, batch=None, *, turn=False) -> None:
+        pass
+
+    def is_eog(self, token: int) -> bool:
+        return False
+
+    def token_bytes(self, token: int) -> bytes:
+        return b" w"
+
+
 def context_child(a) -> None:
     """One context length, one specchat: the per-step host time of every drafter and sampler, as JSON."""
     from specchat.backend import LlamaCppBackend
@@ -295,8 +327,11 @@ def context_child(a) -> None:
     length = a.child_context
     ids = context_tokens(length)
     n_ctx = length + a.n + 64
-    target = LlamaCppBackend(a.models_dir / "target.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
-    draft = LlamaCppBackend(a.models_dir / "draft.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
+    if a.stub:
+        target, draft = StubModel(n_ctx, 1), StubModel(n_ctx, 1)
+    else:
+        target = LlamaCppBackend(a.models_dir / "target.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
+        draft = LlamaCppBackend(a.models_dir / "draft.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
     timer = DecodeTimer(a.evict_mb)
     drafters = {"target only": None, "prompt lookup": PromptLookup(1, 4), "draft model": DraftModel(draft)}
     out = {}
@@ -346,7 +381,7 @@ def part_context(a) -> None:
                     env = {**os.environ, "SPECCHAT_UNDER_TEST": trees[version]}
                     done = subprocess.run(
                         [sys.executable, __file__, "--child-context", str(length), "--models-dir", str(work),
-                         "-n", str(a.n), "-t", str(a.threads), "--runs", str(a.runs), "--evict-mb", str(a.evict_mb)],
+                         "-n", str(a.n), "-t", str(a.threads), "--runs", str(a.runs), "--evict-mb", str(a.evict_mb), *(["--stub"] if a.stub else [])],
                         env=env, capture_output=True, text=True, timeout=1800)
                     if done.returncode != 0:
                         raise RuntimeError(f"{version} at {length}: {done.stderr[-2000:]}")
@@ -359,7 +394,8 @@ def part_context(a) -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
         shutil.rmtree(work, ignore_errors=True)
     names = [f"{x // 1024}k" if x % 1024 == 0 else str(x) for x in lengths]
-    print(f"## host us per step outside llama_decode by context length, tiny llama pair (49k vocabulary), "
+    model = "no model (--stub: specchat's work alone)" if a.stub else "tiny llama pair (49k vocabulary)"
+    print(f"## host us per step outside llama_decode by context length, {model}, "
           f"fixed k = 4, -n {a.n}, best of {a.runs} runs x {a.reps} processes"
           + (f", caches evicted after each decode ({a.evict_mb} MB)" if a.evict_mb else ""))
     header = f"{'drafter':<15}{'sampler':<27}{'specchat':<9}" + "".join(f"{n:>9}" for n in names)
@@ -386,6 +422,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="context part: runs per cell in each process")
     parser.add_argument("--evict-mb", type=int, default=0, help="context part: read this many MB after each decode "
                         "(inside the decode's time), so every step starts from equally cold caches")
+    parser.add_argument("--stub", action="store_true", help="context part: no model, fixed rows (StubModel)")
     parser.add_argument("--child-context", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--models-dir", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args()
