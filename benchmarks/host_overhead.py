@@ -381,7 +381,8 @@ def part_context(a) -> None:
                     env = {**os.environ, "SPECCHAT_UNDER_TEST": trees[version]}
                     done = subprocess.run(
                         [sys.executable, __file__, "--child-context", str(length), "--models-dir", str(work),
-                         "-n", str(a.n), "-t", str(a.threads), "--runs", str(a.runs), "--evict-mb", str(a.evict_mb), *(["--stub"] if a.stub else [])],
+                         "-n", str(a.n), "-t", str(a.threads), "--runs", str(a.runs), "--evict-mb", str(a.evict_mb),
+                         *(["--stub"] if a.stub else [])],
                         env=env, capture_output=True, text=True, timeout=1800)
                     if done.returncode != 0:
                         raise RuntimeError(f"{version} at {length}: {done.stderr[-2000:]}")

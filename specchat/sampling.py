@@ -595,7 +595,8 @@ def top_k_rows(rows: np.ndarray, k: int) -> list[tuple[list[int], list[float]] |
     column_max = rows.reshape(m, GROUPS, width).max(axis=1)  # (m, width)
     cols = np.argpartition(column_max, width - c, axis=1)[:, width - c :]  # (m, c)
     # (m, GROUPS * c): entry r * c + j of row i is row i's slice r at column cols[i, j]
-    block = rows.reshape(-1)[_flat_starts(m, n, width, GROUPS)[:, :, None] + cols[:, None, :]].reshape(m, GROUPS * c)
+    flat = rows.reshape(-1)
+    block = flat[_flat_starts(m, n, width, GROUPS)[:, :, None] + cols[:, None, :]].reshape(m, GROUPS * c)
     sel = np.argpartition(block, GROUPS * c - c, axis=1)[:, GROUPS * c - c :]  # (m, c) into block
     z = block.reshape(-1)[_flat_starts(m, GROUPS * c, 0, 1) + sel].tolist()
     out: list[tuple[list[int], list[float]] | None] = []
