@@ -10,7 +10,14 @@
 2. plain: plain decoding at temp 0.8 vs `llama-bench -n 128 -p 0` (tg128) from the same vendored
    llama.cpp, gemma-3-270m, same threads, alternating repetitions.
 3. view: `specchat prompt` on a terminal (a pty: coloured live view) vs `--json`, same prompt, greedy.
-4. cache (`--parts cache`): why the host time is what it is on a CPU. The same `sampling.process` call on
+4. context (`--parts context`, or just `--context 512,8k,32k`): host microseconds per step at each context
+   length, side by side, for target-only, prompt lookup and a draft model, greedy, temp 0.8 and temp 0.8
+   with --repeat-penalty 1.1, on a tiny random-weight pair (tests/tiny_models.py: SmolLM2's 49k
+   vocabulary, 2 layers, so a 32k prefill takes seconds; the host's share is what is measured). Each
+   context length runs in a process of its own; `--before REV` also runs REV's specchat (a temporary git
+   worktree) in alternation with this checkout's, so before and after share the machine's state.
+   `--evict-mb 64` reads 64 MB after every decode, so each step starts from equally cold caches.
+5. cache (`--parts cache`): why the host time is what it is on a CPU. The same `sampling.process` call on
    the same row, timed as the 1st, 2nd and 8th call in a row: right after a llama_decode, after
    streaming 1 GB through the caches with no decode at all, after a 10 ms sleep, and warm.
 
@@ -26,6 +33,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,7 +41,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# the specchat measured: this checkout's, or another one's (--before runs a worktree of REV through this)
+sys.path.insert(0, os.environ.get("SPECCHAT_UNDER_TEST", str(ROOT)))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_cpp  # noqa: E402
@@ -50,18 +59,24 @@ SUMMARY_PROMPT = ("Summarise in two sentences: The Nile is the longest river in 
 
 
 class DecodeTimer:
-    """Wraps llama_cpp.llama_decode: seconds spent inside it, and calls."""
+    """Wraps llama_cpp.llama_decode: seconds spent inside it, and calls. With `evict_mb`, each decode is
+    followed (inside the timed part) by a pass over that many MB, so the host work after it starts from
+    equally cold caches whatever the decode did: a 20 ms decode at 32k context leaves the caches colder
+    than a 1 ms one at 512, and a fixed piece of Python then takes 4x as long (see docs/benchmarks.md)."""
 
-    def __init__(self):
+    def __init__(self, evict_mb: int = 0):
         self.seconds = 0.0
         self.calls = 0
         self._real = llama_cpp.llama_decode
+        evict = np.ones(evict_mb << 18, dtype=np.float32) if evict_mb else None
 
         def timed(ctx, batch):
             t0 = time.perf_counter()
             try:
                 return self._real(ctx, batch)
             finally:
+                if evict is not None:
+                    evict.sum()
                 self.seconds += time.perf_counter() - t0
                 self.calls += 1
 
@@ -256,6 +271,144 @@ def part_cache(a) -> None:
         pair.close()
 
 
+CONTEXT_SAMPLERS = {"greedy": {"temperature": 0.0}, "temp 0.8": {"temperature": 0.8},
+                    "temp 0.8 + repeat-penalty": {"temperature": 0.8, "repeat_penalty": 1.1}}
+CONTEXT_DRAFTERS = ("target only", "prompt lookup", "draft model")
+
+
+def context_tokens(length: int) -> list[int]:
+    """A context of `length` tokens: random words, then 64 tokens of the tiny models' bigram cycle (what
+    they predict, so drafts get accepted and the run looks like generation, not noise)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import bigram_chain, cycle_tokens, word_tokens
+
+    rng = np.random.default_rng(length)
+    tail = bigram_chain(int(cycle_tokens()[0]), 64)
+    return rng.choice(word_tokens(), length - len(tail)).tolist() + tail
+
+
+class StubModel:
+    """A backend with no model (--stub): eval appends the tokens and lends fixed random rows over a 49k
+    vocabulary at once. What is left of a step is specchat's own work, with caches as warm as they get,
+    so its growth with the context is the code's alone."""
+
+    name, path, memory = "stub", None, None
+
+    def __init__(self, n_ctx: int, seed: int):
+        self.rows = np.random.default_rng(seed).normal(0, 3, (17, 49152)).astype(np.float32)
+        self.n_ctx, self.n_vocab = n_ctx, self.rows.shape[1]
+        self.tokens: list[int] = []
+        self.evaluated = self.rollback_recoveries = self.reevaluated = 0
+        self.rollback_seconds = 0.0
+
+    def eval(self, tokens, logits_at, *, in_place=False):
+        self.tokens.extend(tokens)
+        self.evaluated += len(tokens)
+        return self.rows[: len(list(logits_at))]
+
+    def truncate(self, n_keep: int) -> None:
+        del self.tokens[n_keep:]
+
+    def checkpoint(self, batch=None, *, turn=False) -> None:
+        pass
+
+    def is_eog(self, token: int) -> bool:
+        return False
+
+    def token_bytes(self, token: int) -> bytes:
+        return b" w"
+
+
+def context_child(a) -> None:
+    """One context length, one specchat: the per-step host time of every drafter and sampler, as JSON."""
+    from specchat.backend import LlamaCppBackend
+    from specchat.drafters import DraftModel
+
+    length = a.child_context
+    ids = context_tokens(length)
+    n_ctx = length + a.n + 64
+    if a.stub:
+        target, draft = StubModel(n_ctx, 1), StubModel(n_ctx, 1)
+    else:
+        target = LlamaCppBackend(a.models_dir / "target.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
+        draft = LlamaCppBackend(a.models_dir / "draft.gguf", n_ctx=n_ctx, n_threads=a.threads, n_gpu_layers=0)
+    timer = DecodeTimer(a.evict_mb)
+    drafters = {"target only": None, "prompt lookup": PromptLookup(1, 4), "draft model": DraftModel(draft)}
+    out = {}
+    for drafter_name in CONTEXT_DRAFTERS:
+        for sampler, settings in CONTEXT_SAMPLERS.items():
+            params = specchat.SamplingParams(seed=7, **settings)
+            policy = FixedPolicy(4 if drafters[drafter_name] is not None else 0)
+            for _ in specchat.generate(target, drafters[drafter_name], ids, params, max_tokens=4, policy=policy):
+                pass  # warm-up: the prompt is read once here, later runs reuse the cache
+            best = None
+            for _ in range(a.runs):
+                events = specchat.generate(target, drafters[drafter_name], ids, params, max_tokens=a.n, policy=policy)
+                next(events)
+                decode_before = timer.seconds
+                t0 = time.perf_counter()
+                finished = [e for e in events if isinstance(e, specchat.Finished)][0]
+                host = time.perf_counter() - t0 - (timer.seconds - decode_before)
+                us = 1e6 * host / finished.stats.steps
+                best = us if best is None else min(best, us)
+            out[f"{drafter_name}|{sampler}"] = best
+    print(json.dumps(out))
+
+
+def part_context(a) -> None:
+    """The per-step host time at each context length, each (context, specchat) in a process of its own,
+    alternating before and after; the best of all runs per cell."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import write_pair
+
+    lengths = [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in a.context.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="specchat-context-"))
+    target, draft = write_pair(work, "llama")
+    target.rename(work / "target.gguf")
+    draft.rename(work / "draft.gguf")
+    trees = {"after": str(ROOT)}
+    if a.before:
+        before = work / "before"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(before), a.before], check=True)
+        trees = {"before": str(before), **trees}
+    results: dict[tuple[str, int], dict] = {}
+    try:
+        for rep in range(a.reps):
+            for length in lengths:
+                for version in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
+                    env = {**os.environ, "SPECCHAT_UNDER_TEST": trees[version]}
+                    done = subprocess.run(
+                        [sys.executable, __file__, "--child-context", str(length), "--models-dir", str(work),
+                         "-n", str(a.n), "-t", str(a.threads), "--runs", str(a.runs), "--evict-mb", str(a.evict_mb),
+                         *(["--stub"] if a.stub else [])],
+                        env=env, capture_output=True, text=True, timeout=1800)
+                    if done.returncode != 0:
+                        raise RuntimeError(f"{version} at {length}: {done.stderr[-2000:]}")
+                    got = json.loads(done.stdout.strip().splitlines()[-1])
+                    cell = results.setdefault((version, length), got)
+                    for key, value in got.items():
+                        cell[key] = min(cell[key], value)
+    finally:
+        if a.before:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    names = [f"{x // 1024}k" if x % 1024 == 0 else str(x) for x in lengths]
+    model = "no model (--stub: specchat's work alone)" if a.stub else "tiny llama pair (49k vocabulary)"
+    print(f"## host us per step outside llama_decode by context length, {model}, "
+          f"fixed k = 4, -n {a.n}, best of {a.runs} runs x {a.reps} processes"
+          + (f", caches evicted after each decode ({a.evict_mb} MB)" if a.evict_mb else ""))
+    header = f"{'drafter':<15}{'sampler':<27}{'specchat':<9}" + "".join(f"{n:>9}" for n in names)
+    print(header + f"{'last/first':>12}")
+    for drafter_name in CONTEXT_DRAFTERS:
+        for sampler in CONTEXT_SAMPLERS:
+            for version in trees:
+                us = [results[(version, length)][f"{drafter_name}|{sampler}"] for length in lengths]
+                print(f"{drafter_name:<15}{sampler:<27}{version:<9}" + "".join(f"{x:>9.0f}" for x in us)
+                      + f"{us[-1] / us[0]:>11.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="host,plain,view")
@@ -264,10 +417,26 @@ def main() -> None:
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--context", help="context lengths for the context part, e.g. 512,8k,32k (runs only it "
+                        "unless --parts names others)")
+    parser.add_argument("--before", metavar="REV", help="context part: also measure REV's specchat, alternating")
+    parser.add_argument("--runs", type=int, default=3, help="context part: runs per cell in each process")
+    parser.add_argument("--evict-mb", type=int, default=0, help="context part: read this many MB after each decode "
+                        "(inside the decode's time), so every step starts from equally cold caches")
+    parser.add_argument("--stub", action="store_true", help="context part: no model, fixed rows (StubModel)")
+    parser.add_argument("--child-context", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--models-dir", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args()
+    if a.child_context:
+        context_child(a)
+        return
+    if a.context and "--parts" not in sys.argv:
+        a.parts = "context"
+    a.context = a.context or "512,8k,32k"
     print(f"llama-cpp-python {llama_cpp.__version__} · {a.threads} threads · {time.strftime('%Y-%m-%d %H:%M')}")
     for part in a.parts.split(","):
-        {"host": part_host, "plain": part_plain, "view": part_view, "cache": part_cache}[part](a)
+        {"host": part_host, "plain": part_plain, "view": part_view, "context": part_context,
+         "cache": part_cache}[part](a)
 
 
 if __name__ == "__main__":

@@ -146,21 +146,17 @@ class Backend(Protocol):
         """Free the model and its context."""
 
 
-def sync(backend: Backend, tokens: Sequence[int], logits_last: bool, *, turn: bool = False) -> np.ndarray | None:
+def sync(backend: Backend, tokens: Sequence[int], logits_last: bool, *, turn: bool = False,
+         known: int = 0) -> np.ndarray | None:
     """Make the cache hold exactly `tokens`, evaluating only what differs from what it holds already
     (the KV reuse that makes a chat turn cost only its new tokens). With logits_last, return the logits
     row after the last token, re-evaluating that token if it was already cached (read it before the
     backend's next eval: it may be the backend's own buffer). `turn`: a new turn starts here; a recurrent
-    model keeps a copy of its state where the kept part ends, for a next turn that rewrites this one."""
+    model keeps a copy of its state where the kept part ends, for a next turn that rewrites this one.
+    `known`: leading tokens the caller knows the cache holds (see HeldPrefix); only the rest is compared."""
     cached = backend.tokens
-    limit = min(len(cached), len(tokens))
-    tokens = list(tokens)
-    if cached[:limit] == tokens[:limit]:  # the usual case, compared in C: the cache is a prefix
-        common = limit
-    else:
-        common = 0
-        while cached[common] == tokens[common]:
-            common += 1
+    known = min(known, len(cached), len(tokens))
+    common = known + common_prefix(cached[known:], tokens[known:])
     if logits_last and common == len(tokens) and common > 0:
         common -= 1  # llama.cpp keeps no logits for old positions: evaluate the last token again
     backend.truncate(common)
@@ -171,6 +167,45 @@ def sync(backend: Backend, tokens: Sequence[int], logits_last: bool, *, turn: bo
         backend.checkpoint(turn=True)
     rows = backend.eval(rest, [len(rest) - 1] if logits_last else [], in_place=True)
     return rows[0] if logits_last else None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    limit = min(len(a), len(b))
+    if list(a[:limit]) == list(b[:limit]):  # the usual case, compared in C: one is a prefix of the other
+        return limit
+    common = 0
+    while a[common] == b[common]:
+        common += 1
+    return common
+
+
+class HeldPrefix:
+    """How many leading tokens of one token list a backend's cache is known to hold, so that the next sync
+    compares only what follows: a drafter that follows the engine's context then costs the same per step
+    at any context length. The count holds for the same list object (the engine's context, which only
+    grows within a generation; an owner that edits its list lowers the count with `cut`) while nobody
+    else evaluates on the backend (its `evaluated` moves); otherwise it is 0 and sync compares in full.
+    A cut of the cache needs no notice: sync never counts past what the cache still holds."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self._tokens: Sequence[int] | None = None
+        self._n = 0
+        self._evaluated = -1
+
+    def known(self, tokens: Sequence[int]) -> int:
+        if tokens is self._tokens and self.backend.evaluated == self._evaluated:
+            return self._n
+        return 0
+
+    def record(self, tokens: Sequence[int], n: int) -> None:
+        """The cache holds tokens[:n] now (call after the caller's own evaluations)."""
+        self._tokens, self._n, self._evaluated = tokens, n, self.backend.evaluated
+
+    def cut(self, n: int) -> None:
+        """The owner changed its list from position n on."""
+        self._n = min(self._n, n)
 
 
 def check_gguf_file(path: Path) -> None:

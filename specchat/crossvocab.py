@@ -39,9 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, VocabFile, sync
-from .drafters import Draft
-from .sampling import Dist, SamplingParams, apply_penalties, draft_confidence, process, sample, top_k_ids
+from .backend import Backend, HeldPrefix, VocabFile, common_prefix, sync
+from .drafters import Draft, draft_token
+from .sampling import (
+    Dist, SamplingParams, apply_penalties, draft_confidence, penalty_window, process, sample, top_k_ids,
+)
 
 RULES = ("auto", "slem", "tli")
 # auto uses TLI (at temperature > 0) only when at least this share of the draft's tokens exist in the
@@ -233,6 +235,7 @@ class CrossVocabDrafter:
         self._has_dups = len(np.unique(self.map.to_target[shared])) < len(shared)
         self._inverse = np.full(self.map.n_target, -1, dtype=np.int64)  # target id -> a draft id with its text
         self._inverse[self.map.to_target[shared][::-1]] = shared[::-1]
+        self.held = HeldPrefix(backend)  # how much of _ids the draft's cache holds
         self._reset()
 
     # -- which rule ----------------------------------------------------------------------------------
@@ -254,6 +257,9 @@ class CrossVocabDrafter:
         self._marks: list[tuple[int, int]] = [(0, 0)]  # (target ids, draft ids) covering the same text
         self._proposal: tuple[int, list[int]] | None = None  # (len(_ids) then, draft ids proposed)
         self._clean = True  # False once the draft's tokenizer failed to spell the text back
+        # the context list last folded in whole: the same list again has only grown (the engine's), so
+        # only its new tokens are compared
+        self._folded_from: Sequence[int] | None = None
 
     def _rewind(self, n_target: int) -> None:
         while self._marks[-1][0] > n_target:
@@ -261,6 +267,7 @@ class CrossVocabDrafter:
         t, d = self._marks[-1]
         del self._committed[t:]
         del self._ids[d:]
+        self.held.cut(d)
         self._pending = b""
         self._proposal = None
         self._clean = True
@@ -274,12 +281,11 @@ class CrossVocabDrafter:
     def _fold(self, context: Sequence[int]) -> bool:
         """Bring the draft's tokens up to `context` (target ids). True when they spell it exactly."""
         n = len(self._committed)
-        if len(context) < n or list(context[:n]) != self._committed:
-            common = 0
-            limit = min(n, len(context))
-            while common < limit and self._committed[common] == context[common]:
-                common += 1
+        known = min(n, len(context)) if context is self._folded_from else 0
+        common = known + common_prefix(self._committed[known:], context[known:n])
+        if common < n:
             self._rewind(common)
+        self._folded_from = context
         new = list(context[len(self._committed):])
         if not new:
             return self._clean and not self._pending
@@ -335,6 +341,7 @@ class CrossVocabDrafter:
             last = self._ids[-1] if self._ids else None
             if last is not None and self.backend.token_bytes(last):
                 self._ids.pop()
+                self.held.cut(len(self._ids))
                 data = self.backend.token_bytes(last) + data
                 while self._marks[-1][1] > len(self._ids):
                     self._marks.pop()
@@ -367,7 +374,7 @@ class CrossVocabDrafter:
         room = self.backend.n_ctx - len(self._ids)
         if room <= 1:
             return Draft()
-        row = sync(self.backend, self._ids, logits_last=True)
+        row = sync(self.backend, self._ids, logits_last=True, known=self.held.known(self._ids))
         self.backend.checkpoint()  # its drafts are cut after the verify (a recurrent model copies its state)
         rule = self.rule_for(params)
         dparams = self._draft_params(params)
@@ -377,6 +384,7 @@ class CrossVocabDrafter:
         else:
             draft, drafted = self._propose_slem(row, k, room, params, dparams, banned, rng)
         self._proposal = (len(self._ids), drafted)
+        self.held.record(self._ids, len(self._ids))
         if len(draft.tokens) < max(1, self.draft_min):
             return Draft()
         self.rules_run[rule] += 1
@@ -395,7 +403,7 @@ class CrossVocabDrafter:
 
     def _propose_slem(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
         penalised = dparams.has_penalty
-        history = list(self._ids) if penalised else ()
+        history = penalty_window(self._ids, dparams)
         drafted: list[int] = []
         text = b""
         confidence = 1.0
@@ -404,11 +412,7 @@ class CrossVocabDrafter:
         complete = False  # the last re-tokenised token is known to be whole
         max_draft = min(2 * k + 4, room - 1)
         while len(drafted) < max_draft:
-            top = draft_confidence(row) if self.p_min > 0 else 1.0
-            if params.greedy:
-                token = int(np.argmax(apply_penalties(row, dparams, history) if penalised else row))
-            else:
-                token = sample(process(row, dparams, history), rng)
+            token, _, top = draft_token(row, dparams, history, rng, self.p_min)  # as a same-vocabulary draft picks
             if top < self.p_min:
                 # the draft is unsure what follows; its best guess still says whether a word ends here
                 complete = not self.backend.token_bytes(token)[:1].isalnum()
@@ -446,7 +450,7 @@ class CrossVocabDrafter:
     def _propose_tli(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
         to_target = self.map.to_target
         penalised = dparams.has_penalty
-        history = list(self._ids) if penalised else ()
+        history = penalty_window(self._ids, dparams)
         draft = Draft()
         drafted: list[int] = []
         confidence = 1.0

@@ -8,8 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .backend import Backend, BackendError, check_compatible, sync
-from .sampling import Dist, SamplingParams, draft_step, greedy_token, process, sample
+from .backend import Backend, BackendError, HeldPrefix, check_compatible, common_prefix, sync
+from .sampling import Dist, SamplingParams, draft_step, greedy_token, penalty_window, process, sample
 
 
 @dataclass
@@ -58,6 +58,7 @@ class DraftModel:
         self.backend = backend
         self.p_min = p_min
         self.draft_min = draft_min
+        self.held = HeldPrefix(backend)  # how much of the engine's context the cache holds
 
     @classmethod
     def checked(cls, backend: Backend, target: Backend, **kw) -> DraftModel:
@@ -81,11 +82,13 @@ class DraftModel:
         k = min(k, self.backend.n_ctx - len(context))
         if k <= 0:
             return Draft()
-        row = sync(self.backend, context, logits_last=True)
+        row = sync(self.backend, context, logits_last=True, known=self.held.known(context))
         if k > 1:  # the drafts evaluated next are cut after the verify (a recurrent model copies its state)
             self.backend.checkpoint()
-        return draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(),
-                          lambda token: self.backend.eval([token], [0], in_place=True)[0])
+        draft = draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(),
+                           lambda token: self.backend.eval([token], [0], in_place=True)[0])
+        self.held.record(context, len(context))
+        return draft
 
 
 
@@ -146,6 +149,7 @@ class HeadDrafter:
         # what the target hands over per token (an EAGLE-3 head's encoder turns it into the rows it pairs)
         self.hidden = HiddenRows(getattr(head, "n_embd_in", head.n_embd))
         self._encode = getattr(head, "encode", None)
+        self.held = HeldPrefix(head)  # how many of the context's entries the head holds
         if hasattr(head, "attach"):
             head.attach(self.hidden.put)
         else:
@@ -157,32 +161,28 @@ class HeadDrafter:
     def _catch_up(self, context: Sequence[int], end: int, logits: bool) -> np.ndarray | None:
         """Make the head hold the entries of context tokens shift..end-1, evaluating only what differs from
         what it holds; with `logits`, the last entry is evaluated (again), alone, for its row."""
-        seq = list(context[self.shift : end])
-        if not seq:
+        n = end - self.shift
+        if n <= 0:
             return None
         held = self.head.tokens
-        limit = min(len(held), len(seq))
-        if held[:limit] == seq[:limit]:
-            common = limit
-        else:
-            common = 0
-            while held[common] == seq[common]:
-                common += 1
-        if logits and common == len(seq):
+        known = min(self.held.known(context), n, len(held))
+        common = known + common_prefix(held[known:], context[self.shift + known : end])
+        if logits and common == n:
             common -= 1
         self.head.truncate(common)
-        if common >= len(seq):
+        if common >= n:
             return None
+        seq = list(context[self.shift + common : end])
         # entry i holds context token i + shift, paired with the row of the token before it
         first = common + self.shift - 1 - self.pair_offset
-        states = self.hidden.states(range(first, first + len(seq) - common))
+        states = self.hidden.states(range(first, first + len(seq)))
         if self._encode is not None:
             states = self._encode(states)
         if not logits:
-            self.head.eval(seq[common:], [], states=states)
+            self.head.eval(seq, [], states=states)
             return None
-        if len(seq) - common > 1:  # the entries before the last, then the last alone: its hidden row comes back
-            self.head.eval(seq[common:-1], [], states=states[:-1])
+        if len(seq) > 1:  # the entries before the last, then the last alone: its hidden row comes back
+            self.head.eval(seq[:-1], [], states=states[:-1])
         return self.head.eval([seq[-1]], [0], states=states[-1:])[0]
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
@@ -200,6 +200,7 @@ class HeadDrafter:
                               lambda token: self.head.eval([token], [0], states=self.head.hidden)[0])
         finally:
             self.head.truncate(n - self.shift)  # the draft entries carry the head's own rows, not the target's
+            self.held.record(context, n - self.shift)
 
 
 def reads_target(drafter) -> bool:
@@ -214,7 +215,7 @@ def draft_loop(row: np.ndarray, k: int, context: Sequence[int], params: Sampling
     the context, `next_row(token)` evaluates a drafted token and returns the row after it. Stops before a
     token whose top probability is under p_min (llama.cpp's --spec-draft-p-min); fewer than draft_min
     tokens make an empty draft."""
-    history = list(context) if params.has_penalty else ()
+    history = penalty_window(context, params)
     confidence = 1.0
     for i in range(k):
         token, q, top = draft_token(row, params, history, rng, p_min)

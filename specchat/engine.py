@@ -4,6 +4,10 @@ Invariant between steps: `context` is the prompt plus every emitted token; the t
 context[:-1]. A step evaluates [context[-1], d1..dk] in ONE target batch, which yields p1..p(k+1);
 `sampling.verify` keeps a prefix of the drafts and adds one target token; the cache is cut back to the
 kept tokens. k = 0 is plain decoding through the same code.
+
+`generate` is the loop (plan, draft, verify, emit, record); `verify_step` is one verify and its cut;
+`Reply` holds what was emitted, its text and the token budget. Per step, nothing here reads more of the
+context than the penalty window (see `penalty_history`), so a step costs the same at any context length.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from .detok import Detokenizer, StopMatcher
 from .drafters import Draft, Drafter
 from .policy import FixedPolicy, Policy
 from .sampling import (
-    SamplingParams, greedy_rows, greedy_token, lazy_rows, process, process_rows, verify, verify_greedy,
+    Dist, SamplingParams, greedy_rows, greedy_token, lazy_rows, penalty_window, process, process_rows, verify,
+    verify_greedy,
 )
 from .stats import RunStats, StepStats
 
@@ -42,7 +47,8 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class StepEvent:
-    """Emitted after the tokens of each verify step."""
+    """Emitted after the tokens of each verify step. `totals` is the run's statistics as of this step
+    (a snapshot: later steps do not change it)."""
 
     stats: StepStats
     totals: RunStats
@@ -103,6 +109,9 @@ def generate(
     backends = [target] + ([draft_backend] if draft_backend is not None else [])
     recoveries_before = sum(b.rollback_recoveries for b in backends)
 
+    def recoveries() -> int:
+        return sum(b.rollback_recoveries for b in backends) - recoveries_before
+
     started = time.perf_counter()
     evaluated_before = target.evaluated
     sync(target, prompt_ids[:-1], logits_last=False, turn=True)
@@ -111,113 +120,167 @@ def generate(
     stats.prompt_tokens_evaluated = target.evaluated - evaluated_before + 1  # the last one goes with step 1
     stats.prefill_seconds = time.perf_counter() - started
 
-    context = list(prompt_ids)
-    generated: list[int] = []
-    detok = Detokenizer(target.token_bytes)
-    stopper = StopMatcher(list(stop))
-    pieces: list[str] = []
-    finish: str | None = None
+    reply = Reply(target, prompt_ids, max_tokens, stop)
     gen_started = time.perf_counter()
     try:
-        while finish is None:
-            if len(generated) >= max_tokens:
-                finish = "length"
-                break
-            room = target.n_ctx - len(context)
-            if room <= 0:
-                finish = "context"
-                break
-            # drafts beyond the token budget could never be emitted
-            limit = min(max_tokens - len(generated) - 1, room - 1)
-            if drafter is not None:
-                limit = min(limit, drafter.room() - len(context) - 1)
+        while (limit := reply.draft_limit(drafter)) is not None:
             k = policy.plan(max(0, limit)) if drafter is not None else 0
-
             t0 = time.perf_counter()
-            draft = drafter.propose(context, k, params, rng) if k > 0 else Draft()
-            proposed = draft.tokens
-            n_send = policy.trim(draft) if proposed else 0
-            drafts, q = proposed[:n_send], draft.q[:n_send]
+            draft = drafter.propose(reply.context, k, params, rng) if k > 0 else Draft()
+            n_send = policy.trim(draft) if draft.tokens else 0
+            drafts = draft.tokens[:n_send]
             t1 = time.perf_counter()
-            rollback_before = target.rollback_seconds
-            if drafts:  # a recurrent target copies its state now if it cannot otherwise cut this batch back
-                target.checkpoint(len(drafts) + 1)
-            rows = target.eval([context[-1], *drafts], range(len(drafts) + 1), in_place=True)
-            # p_i is conditioned on context + d<i: penalties must see the drafts before position i
-            # (the history list is built only when a penalty will read it: this is the per-token path)
-            history = (lambda i: context + drafts[:i]) if params.has_penalty else (lambda i: ())
-            # row 0 alone (k = 0, or a rejection at the first draft, needs no more), then the rest at once
-            if params.greedy:
-                argmax = lazy_rows(len(rows), lambda i: greedy_token(rows[i], params, history(i)),
-                                   lambda start: greedy_rows(rows, params, history, start))
-                n_accepted, next_token = verify_greedy(argmax, drafts)
-            else:
-                p = lazy_rows(len(rows), lambda i: process(rows[i], params, history(i)),
-                              lambda start: process_rows(rows, params, history, start))
-                n_accepted, next_token = verify(p, q, drafts, rng)
-            # the cache holds context[:-1] + [context[-1]] + drafts: keep through the accepted ones
-            target.truncate(len(context) + n_accepted)
+            verified = verify_step(target, reply.context, drafts, draft.q[:n_send], params, rng)
             t2 = time.perf_counter()
-            rollback = target.rollback_seconds - rollback_before
-
-            if not drafts:
-                sources = ["target"]
-            else:
-                sources = ["accepted"] * n_accepted + ["resampled" if n_accepted < len(drafts) else "bonus"]
-            emitted: list[int] = []
-            for token, source in zip([*drafts[:n_accepted], next_token], sources):
-                if target.is_eog(token):
-                    finish = "eog"
-                    break
-                context.append(token)
-                generated.append(token)
-                emitted.append(token)
-                text, hit = stopper.feed(detok.push(token))
-                pieces.append(text)
-                yield TokenEvent(token, text, source, stats.steps)
-                if hit:
-                    finish = "stop"
-                    break
-                if len(generated) >= max_tokens:
-                    finish = "length"
-                    break
+            n_before = len(reply.generated)
+            yield from reply.emit(verified.tokens(drafts), stats.steps)
+            emitted = reply.generated[n_before:]
             # a token that ended generation inside the step still counts as accepted, not as emitted
             step = StepStats(
                 step=stats.steps,
                 drafted=len(drafts),
-                accepted=n_accepted,
+                accepted=verified.accepted,
                 emitted=len(emitted),
-                decided=len(emitted) + (finish == "eog"),
+                decided=len(emitted) + (reply.finish == "eog"),
                 draft_seconds=t1 - t0,
-                verify_seconds=t2 - t1 - rollback,
+                verify_seconds=t2 - t1 - verified.rollback_seconds,
                 planned=k,
-                rollback_seconds=rollback,
+                rollback_seconds=verified.rollback_seconds,
                 source=draft.source if drafts else "",
             )
             stats.add(step)
-            policy.observe(step, proposed, emitted)
+            policy.observe(step, draft.tokens, emitted)
             stats.generate_seconds = time.perf_counter() - gen_started
-            yield StepEvent(step, stats)
-    except GeneratorExit:
-        finish = "interrupted"
-        raise
-    except KeyboardInterrupt:
-        finish = "interrupted"
+            stats.rollback_recoveries = recoveries()
+            yield StepEvent(step, stats.snapshot())
+    except (GeneratorExit, KeyboardInterrupt):
+        reply.finish = "interrupted"
         raise
     finally:
         # Whatever happened (stop, Ctrl-C, consumer gone), leave the target's cache holding exactly
         # the kept conversation minus its last token, so the next turn can reuse it.
-        target.truncate(len(context) - 1)
+        target.truncate(len(reply.context) - 1)
         stats.generate_seconds = time.perf_counter() - gen_started
-        stats.rollback_recoveries = sum(b.rollback_recoveries for b in backends) - recoveries_before
+        stats.rollback_recoveries = recoveries()
         policy.finish()
-    tail = "" if finish == "stop" else detok.flush() + stopper.flush()
-    pieces.append(tail)
+    tail = reply.close()
     yield Finished(
-        text="".join(pieces),
-        token_ids=generated,
-        finish_reason=finish,
+        text=reply.text(),
+        token_ids=reply.generated,
+        finish_reason=reply.finish,
         stats=stats,
         prompt_token_ids=prompt_ids,
         tail=tail,
     )
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one verify step decided: the first `accepted` drafts, then the target's own `token` (the
+    correction at a rejection, the bonus after all of them)."""
+
+    accepted: int
+    token: int
+    rollback_seconds: float  # the target's checkpoint work inside the step
+
+    def tokens(self, drafts: Sequence[int]) -> list[tuple[int, Source]]:
+        """The decided tokens with where each came from."""
+        if not drafts:
+            return [(self.token, "target")]
+        kept: list[tuple[int, Source]] = [(d, "accepted") for d in drafts[: self.accepted]]
+        return kept + [(self.token, "resampled" if self.accepted < len(drafts) else "bonus")]
+
+
+def verify_step(target: Backend, context: list[int], drafts: list[int], q: Sequence[Dist | None],
+                params: SamplingParams, rng: np.random.Generator) -> Verified:
+    """Evaluate [context[-1], d1..dk] in one target batch, apply the rule to p1..p(k+1), and cut the
+    target's cache back to context + the accepted drafts."""
+    rollback_before = target.rollback_seconds
+    if drafts:  # a recurrent target copies its state now if it cannot otherwise cut this batch back
+        target.checkpoint(len(drafts) + 1)
+    rows = target.eval([context[-1], *drafts], range(len(drafts) + 1), in_place=True)
+    p = target_rows(rows, params, penalty_history(context, drafts, params))
+    if params.greedy:
+        accepted, token = verify_greedy(p, drafts)
+    else:
+        accepted, token = verify(p, q, drafts, rng)
+    # the cache holds context[:-1] + [context[-1]] + drafts: keep through the accepted ones
+    target.truncate(len(context) + accepted)
+    return Verified(accepted, token, target.rollback_seconds - rollback_before)
+
+
+def penalty_history(context: Sequence[int], drafts: list[int], params: SamplingParams):
+    """history(i): what the penalties of verify row i read. p_i is conditioned on context + d<i, and a
+    penalty reads only its last repeat_last_n tokens: the window of the context plus d<i, so a row costs
+    the same at any context length (nothing is built without a penalty: this is the per-token path)."""
+    if not params.has_penalty:
+        return lambda i: ()
+    recent = penalty_window(context, params)
+    return lambda i: recent + drafts[:i]
+
+
+def target_rows(rows: np.ndarray, params: SamplingParams, history):
+    """The target's processed rows as the rule reads them (argmax tokens when greedy), each made on first
+    use: row 0 alone (k = 0, or a rejection at the first draft, needs no more), then the rest at once."""
+    if params.greedy:
+        return lazy_rows(len(rows), lambda i: greedy_token(rows[i], params, history(i)),
+                         lambda start: greedy_rows(rows, params, history, start))
+    return lazy_rows(len(rows), lambda i: process(rows[i], params, history(i)),
+                     lambda start: process_rows(rows, params, history, start))
+
+
+class Reply:
+    """The generation so far: the context it extends (prompt + emitted tokens), its text, and once it is
+    over, why (`finish`)."""
+
+    def __init__(self, target: Backend, prompt_ids: list[int], max_tokens: int, stop: Sequence[str]):
+        self.target = target
+        self.max_tokens = max_tokens
+        self.context = list(prompt_ids)
+        self.generated: list[int] = []
+        self.finish: str | None = None
+        self._detok = Detokenizer(target.token_bytes)
+        self._stopper = StopMatcher(list(stop))
+        self._pieces: list[str] = []
+
+    def draft_limit(self, drafter: Drafter | None) -> int | None:
+        """The most drafts the next step could use (drafts beyond the token budget or the context could
+        never be emitted), or None when generation is over (finish says why)."""
+        if self.finish is None and len(self.generated) >= self.max_tokens:
+            self.finish = "length"
+        room = self.target.n_ctx - len(self.context)
+        if self.finish is None and room <= 0:
+            self.finish = "context"
+        if self.finish is not None:
+            return None
+        limit = min(self.max_tokens - len(self.generated) - 1, room - 1)
+        if drafter is not None:
+            limit = min(limit, drafter.room() - len(self.context) - 1)
+        return limit
+
+    def emit(self, decided: list[tuple[int, Source]], step: int) -> Iterator[TokenEvent]:
+        """Append the step's tokens in order, each as a TokenEvent, until one ends generation."""
+        for token, source in decided:
+            if self.target.is_eog(token):
+                self.finish = "eog"
+                return
+            self.context.append(token)
+            self.generated.append(token)
+            text, hit = self._stopper.feed(self._detok.push(token))
+            self._pieces.append(text)
+            yield TokenEvent(token, text, source, step)
+            if hit:
+                self.finish = "stop"
+                return
+            if len(self.generated) >= self.max_tokens:
+                self.finish = "length"
+                return
+
+    def close(self) -> str:
+        """The text held back until the end (none after a stop string)."""
+        tail = "" if self.finish == "stop" else self._detok.flush() + self._stopper.flush()
+        self._pieces.append(tail)
+        return tail
+
+    def text(self) -> str:
+        return "".join(self._pieces)

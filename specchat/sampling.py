@@ -214,6 +214,14 @@ def _penalised(
     return (ids, values) if len(ids) else None
 
 
+def penalty_window(tokens: Sequence[int], params: SamplingParams) -> list[int]:
+    """The tokens the penalties read at the next position: the last repeat_last_n (a copy to append
+    drafts to, whose size does not grow with the context), all of them for -1, none without a penalty."""
+    if not params.has_penalty:
+        return []
+    return list(tokens) if params.repeat_last_n == -1 else list(tokens[-params.repeat_last_n :])
+
+
 def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
     """The whole row with penalties and bans applied (a copy when anything changes)."""
     changed = _penalised(logits, params, history)
@@ -255,32 +263,8 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
 
 
 def top_k_lists(logits: np.ndarray, k: int) -> tuple[list[int], list[float]] | None:
-    """top_k_ids' k best as Python lists sorted by falling logit (then lowest id), with as few numpy
-    calls as possible: right after a decode the first call of each numpy function costs 15-45 us.
-    None when this cannot be sure of the answer (a tie at the k-th value, a vocabulary that is not a
-    multiple of GROUPS, a short row): the caller then uses top_k_ids.
-
-    Take the k + 1 columns with the largest maxima (see top_k_ids); every other column's entries are
-    at most the smallest of those maxima, c. The k + 1 largest entries of the chosen columns are all
-    >= c (the k + 1 maxima are among them). So if the k-th of them is above the (k+1)-th, it is above
-    every entry left out anywhere: these k are exactly the top k, with no tie to break."""
-    n = logits.shape[0]
-    width = n // GROUPS
-    c = k + 1
-    if logits.ndim != 1 or n % GROUPS or width < 2 * c:
-        return None
-    grid = logits.reshape(GROUPS, width)
-    column_max = grid.max(axis=0)
-    cols = np.argpartition(column_max, width - c)[width - c :]
-    block = grid[:, cols].ravel()  # (GROUPS, c) row-major: entry r * c + j is row r of column cols[j]
-    m = block.shape[0]
-    sel = np.argpartition(block, m - c)[m - c :]
-    z = block[sel].tolist()
-    where = cols.tolist()
-    pairs = sorted(zip([-v for v in z], [(i // c) * width + where[i % c] for i in sel.tolist()]))
-    if not pairs[k - 1][0] < pairs[k][0]:  # the k-th ties with the (k+1)-th: top_k_ids decides
-        return None
-    return [t for _, t in pairs[:k]], [-v for v, _ in pairs[:k]]
+    """top_k_rows for one row: the per-token top-k."""
+    return top_k_rows(logits[None, :], k)[0] if logits.ndim == 1 else None
 
 
 def top_sorted(logits: np.ndarray, k: int) -> tuple[list[int], list[float]]:
@@ -583,50 +567,59 @@ def lazy_rows(n: int, make, make_rest=None) -> _Lazy:
     return _Lazy(n, make, make_rest)
 
 
-def _batchable(rows: np.ndarray, k: int) -> bool:
-    m, n = rows.shape
-    return m > 1 and n % GROUPS == 0 and n // GROUPS >= 2 * k and rows.flags.c_contiguous
+@lru_cache(maxsize=32)
+def _flat_starts(m: int, n: int, step: int, count: int) -> np.ndarray:
+    """(m, count) offsets into an (m, n) array read as one vector: row i's start + step * j."""
+    out = n * np.arange(m, dtype=np.intp)[:, None] + step * np.arange(count, dtype=np.intp)[None, :]
+    out.flags.writeable = False  # shared by every call with the same shape
+    return out
 
 
-def top_k_rows(rows: np.ndarray, k: int) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-    """(ids, logits, exact) of the k largest entries of each row of an (m, n) array, n a multiple of
-    GROUPS, in one set of numpy calls for all rows (each call costs ~10 us after a decode, whatever its
-    size). top_k_ids' bound per row: of the k columns with the largest maxima, the top k lie in those
-    columns (the others' maxima are at most the k-th largest column max, itself at most the k-th
-    largest entry). exact[i] is False when row i has ties at the k-th value, where the choice among
-    them must be top_k_ids' (lowest ids): the caller redoes that row."""
+def top_k_rows(rows: np.ndarray, k: int) -> list[tuple[list[int], list[float]] | None]:
+    """For each row of an (m, n) array: its k largest entries as lists sorted by falling value (then
+    lowest id), exactly top_k_ids' answer in _sorted's order; or None where this cannot be sure of it (a
+    tie at the k-th value, a vocabulary that is not a multiple of GROUPS, a short row), and the caller
+    uses top_k_ids. One set of numpy calls for all rows: right after a decode the first call of each
+    numpy function costs 15-45 us, whatever its size.
+
+    top_k_ids' bound, per row: take the k + 1 columns with the largest maxima; every other column's
+    entries are at most the smallest of those maxima, c. The k + 1 largest entries of the chosen columns
+    are all >= c (the k + 1 maxima are among them). So if the k-th of them is above the (k+1)-th, it is
+    above every entry left out anywhere: these k are exactly the top k, with no tie to break."""
     m, n = rows.shape
     width = n // GROUPS
-    grid = rows.reshape(m, GROUPS, width)
-    column_max = grid.max(axis=1)  # (m, width)
-    cols = np.argpartition(column_max, width - k, axis=1)[:, width - k :]  # (m, k)
-    vals = np.take_along_axis(grid, cols[:, None, :], axis=2).reshape(m, GROUPS * k)
-    sel = np.argpartition(vals, GROUPS * k - k, axis=1)[:, GROUPS * k - k :]  # (m, k) into vals
-    z = np.take_along_axis(vals, sel, axis=1)
-    ids = np.take_along_axis(cols, sel % k, axis=1) + width * (sel // k)
-    # no other entry equals the k-th value: none among the chosen columns, none in another column
-    kth = z.min(axis=1)[:, None]
-    exact = ((vals >= kth).sum(axis=1) == k) & ((column_max >= kth).sum(axis=1) <= k)
-    return ids.tolist(), z.tolist(), exact.tolist()
+    c = k + 1
+    if n % GROUPS or width < 2 * c:
+        return [None] * m
+    rows = np.ascontiguousarray(rows)
+    column_max = rows.reshape(m, GROUPS, width).max(axis=1)  # (m, width)
+    cols = np.argpartition(column_max, width - c, axis=1)[:, width - c :]  # (m, c)
+    # (m, GROUPS * c): entry r * c + j of row i is row i's slice r at column cols[i, j]
+    flat = rows.reshape(-1)
+    block = flat[_flat_starts(m, n, width, GROUPS)[:, :, None] + cols[:, None, :]].reshape(m, GROUPS * c)
+    sel = np.argpartition(block, GROUPS * c - c, axis=1)[:, GROUPS * c - c :]  # (m, c) into block
+    z = block.reshape(-1)[_flat_starts(m, GROUPS * c, 0, 1) + sel].tolist()
+    out: list[tuple[list[int], list[float]] | None] = []
+    for values, chosen, where in zip(z, sel.tolist(), cols.tolist()):
+        pairs = sorted(zip([-v for v in values], [(i // c) * width + where[i % c] for i in chosen]))
+        if pairs[k - 1][0] < pairs[k][0]:  # else the k-th ties with the (k+1)-th: top_k_ids decides
+            out.append(([t for _, t in pairs[:k]], [-v for v, _ in pairs[:k]]))
+        else:
+            out.append(None)
+    return out
 
 
 def process_rows(rows: np.ndarray, params: SamplingParams, history, start: int = 0) -> list[Dist]:
     """[process(rows[i], params, history(i)) for i >= start], batched where the sampler allows it
     (top-k, no penalties: every row's candidates are its raw top entries)."""
-    rest = rows[start:]
     n = rows.shape[1]
-    banned = params.banned_set
-    k = params.top_k + len(banned)
-    if params.greedy or params.has_penalty or not 0 < params.top_k < n or not _batchable(rest, k):
+    if params.greedy or params.has_penalty or not 0 < params.top_k < n or len(rows) - start < 2:
         return [process(rows[i], params, history(i)) for i in range(start, len(rows))]
     out = []
-    for i, (ids, z, exact) in enumerate(zip(*top_k_rows(rest, k))):
-        if not exact:
-            out.append(process(rows[start + i], params, ()))
-            continue
-        dist = _from_top(*_sorted(ids, z), params, n)
-        # None: the bans left too few tokens, which the general path handles
-        out.append(dist if dist is not None else process(rows[start + i], params, ()))
+    for i, top in enumerate(top_k_rows(rows[start:], min(n, params.top_k + len(params.banned_set))), start):
+        dist = None if top is None else _from_top(*top, params, n)
+        # None: a tie at the k-th value, or bans that left too few tokens: the general path decides
+        out.append(dist if dist is not None else process(rows[i], params, ()))
     return out
 
 

@@ -7,7 +7,7 @@ metric is defined once.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,12 @@ class RunStats:
         self.draft_lengths[s.drafted] += 1
         if s.drafted:
             self.drafted_by[s.source or "draft-model"] += s.drafted
+
+    def snapshot(self) -> RunStats:
+        """A copy that later steps leave alone (what each StepEvent carries)."""
+        return replace(self, position_tries=list(self.position_tries), position_hits=list(self.position_hits),
+                       accepted_lengths=Counter(self.accepted_lengths), draft_lengths=Counter(self.draft_lengths),
+                       drafted_by=Counter(self.drafted_by))
 
     def merge(self, other: RunStats) -> None:
         for name in ("steps", "drafted", "accepted", "emitted", "decided", "draft_seconds", "verify_seconds",

@@ -144,13 +144,13 @@ def test_sampled_draft_with_explicit_q():
 def test_multi_step_stats_and_truncations(params):
     target = scripted_target()
     drafter = ScriptedDrafter([[1, 2, 3], [9], [6, 7, 9, 9]])
-    events = generate(target, drafter, PROMPT, params, max_tokens=50, policy=FixedPolicy(4))
+    # collected first, read after: each StepEvent.totals is the run as of its step, not the live RunStats
+    events = list(generate(target, drafter, PROMPT, params, max_tokens=50, policy=FixedPolicy(4)))
     tokens, snapshots = [], []
     for e in events:
         if isinstance(e, TokenEvent):
             tokens.append(e)
         elif isinstance(e, StepEvent):
-            # StepEvent.totals is the live RunStats: copy what we check as it arrives
             snapshots.append((e.stats, e.totals.steps, e.totals.drafted, e.totals.accepted, e.totals.emitted))
         else:
             fin = e
@@ -164,6 +164,7 @@ def test_multi_step_stats_and_truncations(params):
         (3, 3, 4, 4), (1, 0, 1, 4), (4, 2, 3, 4), (0, 0, 0, 4),
     ]  # fmt: skip
     assert [tuple(x[1:]) for x in snapshots] == [(1, 3, 3, 4), (2, 4, 3, 5), (3, 8, 5, 8), (4, 8, 5, 8)]
+    assert [dict(e.totals.accepted_lengths) for e in events if isinstance(e, StepEvent)][:2] == [{3: 1}, {3: 1, 0: 1}]
     assert target.truncations == [0, P + 3, P + 4, P + 5 + 2, P + 8, P + 8 - 1]
     st = fin.stats
     assert (st.steps, st.drafted, st.accepted, st.emitted) == (4, 8, 5, 8)
@@ -622,6 +623,62 @@ def test_draft_min_discards_short_drafts():
     assert tokens[0].source == "target" and steps[0].stats.drafted == 0 and steps[0].stats.planned == 4
     dm3, _ = make_draft_model(fn, V, p_min=0.5, draft_min=2)
     assert dm3.propose(PROMPT, 4, GREEDY, np.random.default_rng(0)).tokens == [1, 1]
+
+
+class ReadCounter(list):
+    """A context that counts the items its slices hand out: what a drafter reads of it."""
+
+    read = 0
+
+    def __getitem__(self, i):
+        out = super().__getitem__(i)
+        if isinstance(i, slice):
+            self.read += len(out)
+        return out
+
+    def __iter__(self):
+        self.read += len(self)
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, repeat_penalty=1.3, seed=0)],
+                         ids=["greedy", "penalties"])
+def test_a_draft_model_step_reads_only_what_the_context_gained(params):
+    """After the first proposal of a generation, a step compares only the tokens appended since and reads
+    the penalty window, not the whole context: its cost does not grow with the conversation."""
+    dm, db = make_draft_model(markov_logits(MARKOV_DRAFT), MV, n_ctx=8192)
+    context = ReadCounter(np.random.default_rng(0).integers(0, MV, 5000).tolist())
+    dm.prefill(context)
+    rng = np.random.default_rng(1)
+    dm.propose(context, 4, params, rng)  # the first compares the whole context once
+    for _ in range(5):
+        context.extend([2, 3])
+        context.read = 0
+        draft = dm.propose(context, 4, params, rng)
+        assert context.read <= 2 * 2 + params.repeat_last_n + 8
+        assert len(draft.tokens) == 4 and db.tokens == [*context, *draft.tokens[:-1]]
+    # anything else evaluated on the draft's cache, or another context list: compared in full, still right
+    db.truncate(100)
+    db.eval([1, 1, 1], [])
+    assert dm.propose(context, 4, params, rng).tokens and db.tokens[: len(context)] == context
+    other = [*context[:200], 4, 4]
+    assert dm.propose(other, 4, params, rng).tokens and db.tokens[: len(other)] == other
+
+
+def test_verify_penalties_read_the_window_not_the_context():
+    """Row i's penalties read the last repeat_last_n tokens of context + d<i, and only those are copied
+    (-1: the whole context, as the setting asks)."""
+    context = ReadCounter(np.random.default_rng(2).integers(0, MV, 3000).tolist())
+    drafts = [1, 2, 3]
+    for last_n, most in ((64, 64), (5, 5), (-1, 3000)):
+        params = SamplingParams(repeat_penalty=1.3, repeat_last_n=last_n)
+        context.read = 0
+        history = engine.penalty_history(context, drafts, params)
+        assert context.read <= most
+        n = len(context) + len(drafts) if last_n == -1 else last_n
+        for i in range(len(drafts) + 1):
+            assert list(history(i))[-n:] == [*context, *drafts[:i]][-n:]
+    assert engine.penalty_history(context, drafts, SamplingParams())(2) == ()
 
 
 def test_draft_model_respects_its_context():

@@ -4,7 +4,6 @@ across processes, and the hybrid drafter (lookup or the draft model, chosen per 
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest

@@ -11,7 +11,7 @@ import json
 
 import pytest
 from real_models import (
-    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, specchat, teacher_forced_gaps,
+    GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, teacher_forced_gaps,
 )
 
 from specchat.backend import LlamaCppBackend, check_compatible

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fakes import ALPHA, DELTA, POWER, chi2_isf, chi2_pvalue, chi2_sf, detection_power, draws_for
-from sampling_cases import CASES, DRAFT_FAR, DRAFT_NEAR, DRAFT_ZERO, HISTORY, TARGET, V, Case, sp
+from sampling_cases import CASES, DRAFT_FAR, DRAFT_ZERO, HISTORY, TARGET, V, Case, sp
 from specchat import sampling
 from specchat.sampling import (
     SamplingParams,
