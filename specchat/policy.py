@@ -121,11 +121,6 @@ class CostModel:
     scale: float = 1.0
     measured: bool = False
     batch: float = 1.0  # what batches of 2+ cost relative to calibration x scale, as observed
-    # A measured model may also send the next calibration size past the last one timed (the first-run
-    # calibration stops at its time budget, 28 tokens on gemma-3-270m with 2 cores), priced on the last
-    # slope; the first such batch sent is its timing, and then the size after it may be sent. A long copied
-    # span can then draft what llama.cpp's ngram drafters do (48-64) after a calibration of two seconds.
-    probe: bool = True
 
     def __post_init__(self) -> None:
         # base cost of every batch size up to 64, computed once: the policy asks for them every step
@@ -139,14 +134,9 @@ class CostModel:
         self._table = table
         # batch sizes 0..64 best_length may send (0: no batch at all, never chosen)
         self._sendable = np.ones(65, dtype=bool)
-        self.probing: int | None = None  # the untimed size that may be sent (see `probe`)
         if self.measured:
             self._sendable[:] = False
             self._sendable[[n for n in self.sizes if n < 65]] = True
-            if self.probe and len(self.sizes) > 1:
-                self.probing = next((n for n in CALIBRATION_SIZES if n > self.sizes[-1]), None)
-                if self.probing is not None:
-                    self._sendable[self.probing] = True
         # the same as Python lists: the policy reads a few entries every step, right after a decode,
         # when each numpy call costs several microseconds (see best_length)
         self._table_list: list[float] = table.tolist()
@@ -201,12 +191,6 @@ class CostModel:
     def update(self, n: int, seconds: float, weight: float = 0.1) -> None:
         """Learn from one evaluation of n tokens: the machine's pace from single tokens, the batches'
         cost relative to it from batches."""
-        if n == self.probing:  # the first timing of a size past the calibration: a calibration point
-            at = next(i for i, m in enumerate(self.sizes) if m > n) if n < self.sizes[-1] else len(self.sizes)
-            self.sizes = [*self.sizes[:at], n, *self.sizes[at:]]
-            self.seconds = [*self.seconds[:at], seconds / (self.scale * self.batch), *self.seconds[at:]]
-            self.__post_init__()
-            return
         low, high = self._timed
         # inside the calibrated range the table is that interpolation, already computed
         expected = self._table_list[n] if low <= n <= high else float(np.interp(n, self.sizes, self.seconds))
@@ -879,7 +863,7 @@ def reference_cost_model(one_step: float = 0.02) -> CostModel:
     """Fixed costs for --reproducible: a batch of n tokens costs 1 + 0.35 (n - 1) one-token steps (about
     what two CPU cores measure), at the sizes up to 16. No clock involved."""
     sizes = [n for n in CALIBRATION_SIZES if n <= 16]
-    return CostModel(sizes, [one_step * (1 + 0.35 * (n - 1)) for n in sizes], measured=True, probe=False)
+    return CostModel(sizes, [one_step * (1 + 0.35 * (n - 1)) for n in sizes], measured=True)
 
 
 def _file_size(backend) -> int | None:

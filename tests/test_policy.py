@@ -10,7 +10,6 @@ import pytest
 from specchat.drafters import Draft, PromptLookup
 from specchat.engine import Finished, generate
 from specchat.policy import (
-    reference_cost_model,
     DRAFT_MARGIN,
     LOOKUP_MARGIN,
     DraftModelPolicy,
@@ -227,7 +226,7 @@ def test_a_measured_cost_model_sends_only_the_sizes_it_timed():
     known only at the timed sizes, best_length never picks a batch in between."""
     sizes = [1, 2, 3, 4, 8, 12, 16, 20, 24, 32]
     seconds = [0.011, 0.022, 0.028, 0.031, 0.038, 0.052, 0.056, 0.067, 0.090, 0.095]
-    timed = CostModel(sizes, seconds, measured=True, probe=False)
+    timed = CostModel(sizes, seconds, measured=True)
     curve = CostModel(sizes, seconds)
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -241,20 +240,6 @@ def test_a_measured_cost_model_sends_only_the_sizes_it_timed():
     assert best_length(a, timed)[0] + 1 in sizes
     assert timed.sendable(40).tolist() == [n in sizes for n in range(41)]
     assert curve.sendable(40).all()
-
-
-def test_a_measured_cost_model_times_the_next_size_past_its_calibration_by_sending_it():
-    """A calibration cut short by its time budget (here at 28) does not cap drafts at 27: the next
-    calibration size may be sent, priced on the last slope, and its first timing becomes a point."""
-    sizes = [1, 2, 4, 8, 16, 24, 28]
-    cost = CostModel(sizes, [0.010 * (1 + 0.1 * (n - 1)) for n in sizes], measured=True)
-    assert cost.probing == 32 and cost.sendable(64).tolist() == [n in (*sizes, 32) for n in range(65)]
-    assert best_length(np.full(40, 0.999), cost)[0] == 31  # the probe is worth sending on a long span
-    cost.scale = 2.0  # the machine is busier now than at calibration: the point is kept at calibration pace
-    cost.update(32, 0.5)
-    assert cost.sizes == [*sizes, 32] and cost.seconds[-1] == pytest.approx(0.25) and cost(32) == pytest.approx(0.5)
-    assert cost.probing == 40 and cost.sendable(64)[40] and not cost.sendable(64)[48]
-    assert reference_cost_model().probing is None  # --reproducible: nothing is timed
 
 
 def test_engine_with_adaptive_policy_stays_lossless_and_records_draft_lengths():
