@@ -104,9 +104,9 @@ class Backend(Protocol):
 
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
         """Append `tokens` to the cache; return float32 rows (len(logits_at), n_vocab), one per index
-        into `tokens` named in logits_at. With in_place the rows may be a read-only view of the
-        backend's own buffer, valid only until its next eval or truncate (the per-step path reads each
-        row once and needs no copy)."""
+        into `tokens` named in logits_at. With in_place the rows may be a view of the backend's own
+        buffer, writeable but never to be written, valid only until its next eval or truncate (the
+        per-step path reads each row once and needs no copy)."""
 
     def truncate(self, n_keep: int) -> None:
         """Keep only the first n_keep cached tokens."""
@@ -707,8 +707,9 @@ class LlamaCppBackend:
 
         The view is left writeable: numpy copies a read-only array before an argmax (its contiguous-input
         request includes WRITEABLE), 1 MB per row at a 262k vocabulary, and the first copy of a larger
-        batch lands on fresh pages that can stall for 100-250 ms. The fake backend lends read-only
-        rows instead, so the tests still catch a caller that writes into one."""
+        batch lands on fresh pages that can stall for 100-250 ms. The fake backend lends writeable rows
+        too and checks at its next eval that none was written, so the tests still catch a caller that
+        writes into one."""
         m = len(logits_at)
         if m == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
