@@ -269,6 +269,7 @@ class NgramIndex:
         self.ids: list[int] = []
         self._latest: list[dict[int, int]] = [{} for _ in range(ORDER)]  # packed n-gram -> latest end
         self._before: list[list[int]] = [[] for _ in range(ORDER)]  # end p -> the same n-gram's end before p
+        self._followed: Sequence[int] | None = None  # the list follow() last brought the index up to
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -310,22 +311,19 @@ class NgramIndex:
             del chain[n:]
 
     def follow(self, context: Sequence[int]) -> None:
-        """Hold exactly `context`: index what it adds to the tokens held, after cutting where it differs
-        (once per turn; within a reply the context only grows)."""
+        """Hold exactly `context`: index what it adds to the tokens held, after cutting where it differs.
+        The engine's context list only grows inside a generation, so the same list again is trusted up to
+        what was held (its last held token checked); any other list (a new turn, a test's) is compared in
+        full, once."""
         held = len(self.ids)
-        if len(context) >= held and held and context[held - 1] == self.ids[-1] and context[0] == self.ids[0]:
-            # the engine's context list only grows inside a generation: checking the ends is enough there;
-            # anything else (a new turn, a test's list) is compared in full once
-            if context is self._followed or _same(context, self.ids):
-                self.extend(context[held:])
-                self._followed = context
-                return
-        common = _common_prefix(context, self.ids)
-        self.truncate(common)
-        self.extend(context[common:])
+        same_list = context is self._followed and len(context) >= held and (not held or context[held - 1] == self.ids[-1])
+        if not same_list:
+            common = common_prefix(context, self.ids)
+            if common < held:
+                self.truncate(common)
+                held = common
+        self.extend(context[held:])
         self._followed = context
-
-    _followed: Sequence[int] | None = None
 
     def latest(self, gram: Sequence[int]) -> Iterator[int]:
         """End positions of `gram` (at most ORDER tokens), newest first."""
@@ -341,19 +339,6 @@ class NgramIndex:
 
 
 _BITS = 32  # a token id packed per n-gram position: vocabularies are far below 2**32
-
-
-def _same(context: Sequence[int], ids: list[int]) -> bool:
-    n = len(ids)
-    return np.array_equal(np.asarray(context[:n], dtype=np.int64), np.asarray(ids, dtype=np.int64))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    differs = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
-    return int(differs[0]) if len(differs) else n
 
 
 class FrozenNgramIndex:
@@ -392,7 +377,8 @@ class FrozenNgramIndex:
                 key = key * self._MULT + np.int64(token + 2)
         keys, ends = self._sorted[len(gram) - 1]
         lo, hi = np.searchsorted(keys, key, side="left"), np.searchsorted(keys, key, side="right")
-        return reversed(ends[lo:hi].tolist())
+        # a lookup compares at most CANDIDATES of them: a frequent token's thousands are not listed
+        return reversed(ends[max(lo, hi - 2 * CANDIDATES) : hi].tolist())
 
 
 @dataclass
