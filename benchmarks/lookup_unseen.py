@@ -166,6 +166,16 @@ def gmean(values: list[float]) -> float:
     return statistics.geometric_mean(values) if values else float("nan")
 
 
+def specchat_run(*args, **kwargs) -> dict:
+    """run_specchat, counting a reply's end-of-generation token the way llama.cpp's `decoded` count does:
+    specchat's tokens_per_second counts only the tokens it shows, so an 8-token reply that ended took 9
+    steps for 8 tokens on our side and 9 tokens on llama.cpp's."""
+    r = run_specchat(*args, **kwargs)
+    if r["finish_reason"] == "eog" and r["seconds"] > 0:
+        r["tps"] = (r["tokens"] + 1) / r["seconds"]
+    return r
+
+
 def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str, Path], work: Path) -> dict:
     prompt = row["prompt"]
     llama = lambda t: run_llamacpp(binary, gemma, prompt, n=a.n, threads=a.threads, draft=0, ngram=t,  # noqa: E731
@@ -191,14 +201,14 @@ def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str,
             for n in ours["empty"]:
                 for m in modes:
                     home = fresh_copy(homes[m], work)
-                    r = run_specchat(MODEL, prompt, n=n, threads=a.threads, extra=extra[m], env=env_for(home),
+                    r = specchat_run(MODEL, prompt, n=n, threads=a.threads, extra=extra[m], env=env_for(home),
                                      ctx=CTX, ignore_eos=False)
                     shutil.rmtree(home, ignore_errors=True)
                     ours[m][n].append(r)
     if a.single:
         for m in list(MODES[i % 3:] + MODES[: i % 3]):
             home = fresh_copy(homes[m], work)
-            ours[m][lengths[best]].append(run_specchat(MODEL, prompt, n=lengths[best], threads=a.threads, extra=extra[m],
+            ours[m][lengths[best]].append(specchat_run(MODEL, prompt, n=lengths[best], threads=a.threads, extra=extra[m],
                                                        env=env_for(home), ctx=CTX, ignore_eos=False))
             shutil.rmtree(home, ignore_errors=True)
     med = {t: median(v) for t, v in ref.items()}
