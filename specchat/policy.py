@@ -43,7 +43,7 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56,
 # The sizes up to this one are always timed; bigger ones only within CALIBRATION_BUDGET seconds, so the
 # first run on a slow machine measures for a few seconds, not a minute (see CostModel.measure).
 REQUIRED_SIZE = 8
-CALIBRATION_BUDGET = 2.0
+CALIBRATION_BUDGET = 4.0
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
 # from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
@@ -57,6 +57,21 @@ LOOKUP_MARGIN = 1.1
 # accepted whole doubles it, a miss brings it back. Their estimates come from other prompts, and a
 # 55-token draft of an unrelated reply once made a run slower than plain decoding.
 HISTORY_FIRST = 4
+# What a short fresh match in this conversation (the first lookup token after a miss, shorter than
+# FRESH_TRUSTED, its continuation not yet seen to repeat) may send: a 3-token match is a coin toss, and a
+# wrong 24-token draft costs seven steps of plain decoding on two CPU cores. A fresh draft taken whole
+# puts the next one inside the copied span, where the estimates decide alone. A 12-token match is what
+# llama.cpp's ngram-simple drafts 48 tokens on.
+FRESH_FIRST = 7
+FRESH_TRUSTED = 12
+# Inside a copied span whose match is at least SPAN_LONG tokens, a draft the estimates chose to send may
+# run to SPAN_FACTOR times the match length, at the batch size that costs least per token (SuffixDecoding,
+# Oliaro et al. 2024, sizes drafts by the match length the same way). A long copy tends to go on, and its
+# per-position estimates, multiplied over 40 positions, undersell that: a 13-token match drafted 23, then
+# 39, then 47 where the copy ran 150 tokens. Replaying the 16 learning prompts on their target-only replies
+# (and, once, the 40 evaluation ones): 1.02x -> 1.05x and 1.09x -> 1.13x of llama.cpp's n-gram drafters.
+SPAN_LONG = 8
+SPAN_FACTOR = 4
 DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it
 
 
@@ -170,6 +185,12 @@ class CostModel:
         if n_max >= len(self._sendable_list):
             return self.sendable(n_max).tolist()
         return self._sendable_list[: n_max + 1]
+
+    def cheapest_batch(self, low: int, high: int) -> int | None:
+        """The sendable batch size in low..high that costs the least per token (None if there is none)."""
+        table, sendable = self.seconds_list(high), self.sendable_list(high)
+        sizes = [n for n in range(max(low, 1), high + 1) if sendable[n]]
+        return min(sizes, key=lambda n: table[n] / n) if sizes else None
 
     def costs(self, n_max: int) -> np.ndarray:
         """Seconds for batch sizes 0..n_max (index = size)."""
@@ -290,12 +311,16 @@ def cached_cost_model(backend, cache_file: Path | None,
     # is measured again: the policy sends only the sizes it has timed
     sizes = entry.get("sizes") if isinstance(entry, dict) else None
     need = min(REQUIRED_SIZE, max(1, backend.n_ctx // 2))
-    if (sizes and sizes == list(CALIBRATION_SIZES[: len(sizes)]) and sizes[-1] >= need
+    # one that stopped short of the last size under a smaller budget than today's is measured again too:
+    # long lookup drafts are sent only at sizes that were timed
+    complete = bool(sizes) and (sizes[-1] == CALIBRATION_SIZES[-1] or entry.get("budget", 0.0) >= CALIBRATION_BUDGET)
+    if (sizes and sizes == list(CALIBRATION_SIZES[: len(sizes)]) and sizes[-1] >= need and complete
             and len(entry.get("seconds", ())) == len(sizes)):
         return CostModel(entry["sizes"], entry["seconds"], measured=True)
     model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s)) if notify is not None else None)
     if cache_file is not None:
-        table[key] = {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time()}
+        table[key] = {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time(),
+                      "budget": CALIBRATION_BUDGET}
         _write_atomic(cache_file, json.dumps(table, indent=1))
     return model
 
@@ -410,7 +435,23 @@ def best_length(
 
 # matched n-gram lengths that share an estimate: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+
 LOOKUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-LOOKUP_PRIOR = np.array([0.3, 0.45, 0.55, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93])
+# P(the next copied token is right) per bucket, before any evidence, for each state of LookupAcceptance:
+# inside a copied span or at a fresh match, times whether the earlier occurrences of the n-gram went on
+# with one token (a single one, or all of at least two: agreed) or with several (contested). Measured on
+# target-only replies of gemma-3-270m to the 16 prompts of benchmarks/data/unseen_learning.jsonl (none
+# of them in the evaluation set), then rounded down and smoothed across sparse buckets: in a span with a
+# single earlier occurrence 0.55 at 2 tokens, 0.80 at 4, 0.94 at 8, 0.99 at 16+; agreed 1.00 (1384 of
+# 1384) at 32+; contested 0.31-0.71 from 3 to 8 tokens; a fresh 1-token match 0.42 single, 0.56 agreed,
+# 0.20 contested. Being in a copy is strong evidence, and these decide how early in a copy drafting
+# starts; a conversation's own counts replace them within a few tokens (DECAY).
+LOOKUP_PRIOR = np.array([
+    [0.30, 0.55, 0.70, 0.75, 0.85, 0.90, 0.94, 0.96, 0.97, 0.98],  # in span, single
+    [0.30, 0.65, 0.75, 0.80, 0.85, 0.92, 0.95, 0.97, 0.98, 0.99],  # in span, agreed
+    [0.20, 0.40, 0.40, 0.50, 0.55, 0.65, 0.80, 0.85, 0.90, 0.95],  # in span, contested
+    [0.35, 0.55, 0.65, 0.65, 0.70, 0.75, 0.80, 0.85, 0.85, 0.90],  # fresh, single
+    [0.45, 0.55, 0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90, 0.93],  # fresh, agreed (a loop, a repeated phrase)
+    [0.15, 0.20, 0.30, 0.35, 0.40, 0.50, 0.60, 0.70, 0.75, 0.80],  # fresh, contested
+])
 
 
 def match_bucket(length: int) -> int:
@@ -430,31 +471,35 @@ def _bucket(length: int) -> int:
 class LookupAcceptance:
     """P(the next copied token is right | the match so far is m tokens long), per bucket of m, as
     decayed counts, kept apart for matches in the context and in earlier replies, and by the state of
-    the token: it follows a correct lookup token (inside a span being copied), or it starts a fresh match
-    (after a miss, or the first of a run), or a fresh match whose continuation held every time the
-    n-gram came up before, at least twice (`repeated`: a loop, a repeated phrase).
+    the token: whether it follows a correct lookup token (inside a span being copied) or starts a fresh
+    match (after a miss, or the first of a run), and whether the earlier occurrences of the n-gram it
+    continues went on the same way (`agreement`, see Draft.agree): once (SINGLE), the same way every
+    time, at least twice (AGREED: a loop, a repeated phrase), or in several ways (CONTESTED: a branch).
 
     Draft position i of an m-token match, reached with every draft before it accepted, continues an
     (m + i)-token match inside a span, so a_0 = A(m | state), a_i = A(m + i | in span): every verified or
     shadow-checked token teaches one bucket, and a long match predicts a long accepted run by itself. The
     states keep a spurious short match (a common phrase, right after the reply left the text it was
-    copying) from borrowing the record of tokens inside copied spans, and let a continuation that has held
-    three times in a loop be trusted at once."""
+    copying) from borrowing the record of tokens inside copied spans, let a continuation that has held
+    three times in a loop be trusted at once, and hold back at a branch: a 32-token match into a list
+    whose items differ is right about the next token far less often than one whose occurrences agree."""
 
     DECAY = 0.95  # per observation of a bucket: about the last twenty count, so it follows the reply
     PRIOR_WEIGHT = 2.0
-    IN_SPAN, FRESH, REPEATED = 0, 1, 2
-    # [history][state][bucket]: an earlier reply is weaker evidence, a fresh match weaker than a span being
-    # followed, a repeated continuation in between
-    PRIOR = LOOKUP_PRIOR * np.array([1.0, 0.8])[:, None, None] * np.array([1.0, 0.7, 0.9])[None, :, None]
+    SINGLE, AGREED, CONTESTED = 0, 1, 2  # the agreement of the earlier occurrences
+    IN_SPAN, FRESH = 0, 3  # state = IN_SPAN or FRESH, plus the agreement
+    # [history][state][bucket]: an earlier reply is weaker evidence than this conversation
+    PRIOR = LOOKUP_PRIOR[None, :, :] * np.array([1.0, 0.8])[:, None, None]
     _prior = PRIOR.tolist()
 
     def __init__(self) -> None:
-        shape = (2, 3, len(LOOKUP_BUCKETS))  # [from history][state][bucket]
+        shape = (2, len(LOOKUP_PRIOR), len(LOOKUP_BUCKETS))  # [from history][state][bucket]
         self.hits = np.zeros(shape)
         self.tries = np.zeros(shape)
         self.after_miss = True  # the run's first lookup token is a fresh match
-        self.repeated = False  # the current proposal's continuation held each time before (see Draft.agree)
+        # how the earlier occurrences of the current proposal's n-gram went on: it tells about the
+        # proposal's first token only, and goes back to SINGLE once that token is checked
+        self.agreement = self.SINGLE
         self._table: list = []  # the estimates as nested lists: read every step, see best_length
         self._refresh()
 
@@ -462,10 +507,12 @@ class LookupAcceptance:
         """[history][state][bucket] -> the estimate, from the counts."""
         self._table = ((self.hits + self.PRIOR_WEIGHT * self.PRIOR) / (self.tries + self.PRIOR_WEIGHT)).tolist()
 
+    def fresh(self) -> bool:
+        """Whether the next lookup token starts a fresh match that has not repeated (see FRESH_FIRST)."""
+        return self.after_miss and self.agreement != self.AGREED
+
     def _state(self) -> int:
-        if not self.after_miss:
-            return self.IN_SPAN
-        return self.REPEATED if self.repeated else self.FRESH
+        return (self.FRESH if self.after_miss else self.IN_SPAN) + self.agreement
 
     def rates(self, match: int, n: int, history: bool = False) -> list[float]:
         if n <= 0:
@@ -482,6 +529,7 @@ class LookupAcceptance:
         self.hits[h, s, b], self.tries[h, s, b] = hits, tries
         self._table[h][s][b] = (hits + self.PRIOR_WEIGHT * self._prior[h][s][b]) / (tries + self.PRIOR_WEIGHT)
         self.after_miss = not hit
+        self.agreement = self.SINGLE
 
     def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
         """A verified step: drafts 0..accepted-1 were right; draft `accepted` (if tried) was wrong; the
@@ -514,8 +562,11 @@ class AcceptanceStore:
     (target file, drafter). Written atomically at the end of each generation; a missing, corrupt or
     foreign file (or entry) is ignored and overwritten, never an error."""
 
-    VERSION = 4
-    TRUST = 8.0  # observations a saved estimate counts as (per position or bucket), however many it had
+    VERSION = 5
+    # observations a saved estimate counts as (per position or bucket), however many it had: what other
+    # prompts taught is a prior, and two of this run's own misses outweigh it (with 8, a store learned on
+    # prompts the reply copied sent 24-token drafts into a reply that copied nothing, one miss after another)
+    TRUST = 2.0
 
     def __init__(self, path: Path, key: str, label: str = ""):
         self.path = path
@@ -705,9 +756,13 @@ class DraftModelPolicy(AdaptivePolicy):
         self._learn_model(step)
 
 
-def repeated(draft: Draft) -> bool:
-    """Whether lookup's continuation held every time its n-gram came up before, at least twice."""
-    return draft.agree >= 2 and draft.agree == draft.seen
+def agreement(draft: Draft) -> int:
+    """How the earlier occurrences of lookup's n-gram went on (LookupAcceptance's SINGLE, AGREED or
+    CONTESTED): with the proposed token every time, at least twice, is a loop or a repeated phrase;
+    with other tokens too, a branch."""
+    if draft.seen >= 2 and draft.agree == draft.seen:
+        return LookupAcceptance.AGREED
+    return LookupAcceptance.CONTESTED if draft.agree < draft.seen else LookupAcceptance.SINGLE
 
 
 class LookupPolicy(AdaptivePolicy):
@@ -735,8 +790,17 @@ class LookupPolicy(AdaptivePolicy):
     def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
         if history:  # another conversation's text earns its length in this one (see HISTORY_FIRST)
             n_tokens = min(n_tokens, self.history_earned)
-        return best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead,
-                           LOOKUP_MARGIN, self.rollback)
+        elif match < FRESH_TRUSTED and self.lookup.fresh():
+            n_tokens = min(n_tokens, FRESH_FIRST)
+        n, rate = best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead,
+                              LOOKUP_MARGIN, self.rollback)
+        if n and not history and not self.lookup.after_miss and match >= SPAN_LONG:
+            # a long copy goes on: as far as SPAN_FACTOR x the match, at the cheapest size per token
+            longest = min(n_tokens, SPAN_FACTOR * match)
+            batch = self.verify_cost.cheapest_batch(n + 1, longest + 1)
+            if batch is not None and self.verify_cost(batch) / batch < self.verify_cost(n + 1) / (n + 1):
+                n = batch - 1
+        return n, rate
 
     def plan(self, limit: int) -> int:
         return max(0, min(limit, self.draft_max))  # lookup's proposal is free: look first, decide in trim
@@ -752,7 +816,7 @@ class LookupPolicy(AdaptivePolicy):
             return 0
         history = draft.source == "history"
         self._match = (draft.match_len, history)
-        self.lookup.repeated = repeated(draft)
+        self.lookup.agreement = agreement(draft)
         n, _ = self._lookup_best(draft.match_len, len(draft.tokens), history)
         return n
 
@@ -817,7 +881,7 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
         wins ties: its drafts cost nothing, so a long match beats the model even where the model's tokens
         are cheap."""
         history = found.source == "history"
-        self.lookup.repeated = repeated(found)
+        self.lookup.agreement = agreement(found)
         lookup_n, lookup_rate = (0, 0.0) if not found.tokens else self._lookup_best(found.match_len, len(found.tokens), history)
         model_n, model_rate = self._model_best(limit)
         self._match = (found.match_len, history) if found.tokens else None

@@ -22,7 +22,7 @@ from specchat.policy import (
     FixedPolicy,
     LookupAcceptance,
     match_bucket,
-    repeated,
+    agreement,
 )
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
@@ -204,7 +204,7 @@ def test_draft_position_i_of_an_m_token_match_continues_an_m_plus_i_match():
     acc.record(8, accepted=3, tried=6)
     assert acc.tries[0].sum() == pytest.approx(4, rel=0.1) and acc.hits[0].sum() == pytest.approx(3, rel=0.1)
     # the first was a fresh match (the run's first lookup); the next three followed a correct token
-    assert acc.tries[0, 1].sum() == pytest.approx(1) and acc.tries[0, 0].sum() == pytest.approx(3, rel=0.1)
+    assert acc.tries[0, acc.FRESH].sum() == pytest.approx(1) and acc.tries[0, acc.IN_SPAN].sum() == pytest.approx(3, rel=0.1)
     assert acc.after_miss  # the last one checked was wrong
 
 
@@ -237,11 +237,11 @@ def test_long_matches_learn_long_drafts_short_ones_do_not():
 # -- estimates kept across processes ---------------------------------------------------------------------
 
 
-def trained_policy(store):
+def trained_policy(store, match_len=20):
     policy = LookupPolicy(CPU, draft_max=64, store=store)
     tokens = list(range(64))
     for _ in range(40):
-        n = policy.trim(Draft(tokens, match_len=20))
+        n = policy.trim(Draft(tokens, match_len=match_len))
         policy.observe(step(n, n), tokens, tokens[: n + 1])
     return policy
 
@@ -249,11 +249,13 @@ def trained_policy(store):
 def test_a_fresh_process_starts_from_what_earlier_runs_learned(tmp_path):
     path = tmp_path / "acceptance.json"
     tokens = list(range(64))
-    cold = LookupPolicy(CPU, draft_max=64).trim(Draft(tokens, match_len=20))
-    trained = trained_policy(AcceptanceStore(path, "target|prompt-lookup"))
+    # 4-token matches: the priors alone do not draft on them, earlier runs that saw them hold do
+    cold = LookupPolicy(CPU, draft_max=64).trim(Draft(tokens, match_len=4))
+    trained = trained_policy(AcceptanceStore(path, "target|prompt-lookup"), match_len=4)
     trained.finish()
     warm = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
-    assert warm.trim(Draft(tokens, match_len=20)) > cold
+    assert cold == 0
+    assert warm.trim(Draft(tokens, match_len=4)) > cold
     # discounted: at most TRUST observations per bucket carry over
     assert 0 < warm.lookup.tries.max() <= AcceptanceStore.TRUST + 1e-9
     # another target or drafter does not see them
@@ -538,17 +540,38 @@ def test_a_continuation_that_held_each_time_is_trusted_more_than_a_fresh_match()
     lookup = PromptLookup(1, 32)
     loop = [7, 8, 9, 10, 11]
     draft = lookup.propose([1, 2, *loop, *loop, *loop, 3, 7], 8, GREEDY, np.random.default_rng(0))
-    assert draft.tokens == [8, 9, 10, 11, 3, 7, 8, 9] and (draft.agree, draft.seen) == (3, 3) and repeated(draft)
+    assert draft.tokens == [8, 9, 10, 11, 3, 7, 8, 9] and (draft.agree, draft.seen) == (3, 3)
+    assert agreement(draft) == LookupAcceptance.AGREED
     once = lookup.propose([1, 2, *loop, 3, 7], 8, GREEDY, np.random.default_rng(0))
-    assert (once.agree, once.seen) == (1, 1) and not repeated(once)
+    assert (once.agree, once.seen) == (1, 1) and agreement(once) == LookupAcceptance.SINGLE
     split = lookup.propose([7, 8, 1, 7, 9, 2, 7], 8, GREEDY, np.random.default_rng(0))
-    assert (split.agree, split.seen) == (1, 2) and not repeated(split)  # 7 went on with 9 and with 8
+    assert (split.agree, split.seen) == (1, 2)  # 7 went on with 9 and with 8
+    assert agreement(split) == LookupAcceptance.CONTESTED
     acc = LookupAcceptance()
     fresh = acc.rates(1, 1)[0]
-    acc.repeated = True
+    acc.agreement = acc.AGREED
     assert acc.rates(1, 1)[0] > fresh
+    acc.agreement = acc.CONTESTED
+    assert acc.rates(1, 1)[0] < fresh
     for _ in range(10):  # repeated continuations that fail teach their own estimate, not the fresh one
-        acc.repeated, acc.after_miss = True, True
+        acc.agreement, acc.after_miss = acc.AGREED, True
         acc.add(1, False)
-    acc.repeated = False
+    assert acc.agreement == acc.SINGLE  # the agreement is about the proposal's first token only
     assert acc.rates(1, 1)[0] == pytest.approx(fresh)
+
+
+def test_a_branch_holds_a_long_match_back_in_a_span():
+    """Inside a copied span, a next token on which the n-gram's earlier occurrences disagree (a list whose
+    items differ) is estimated apart from one they agree on, and taught apart."""
+    acc = LookupAcceptance()
+    acc.after_miss = False
+    agreed = acc.rates(6, 1)[0]
+    acc.agreement = acc.CONTESTED
+    assert acc.rates(6, 1)[0] < agreed
+    for _ in range(20):
+        acc.after_miss, acc.agreement = False, acc.CONTESTED
+        acc.add(6, False)
+    acc.after_miss, acc.agreement = False, acc.SINGLE
+    assert acc.rates(6, 1)[0] == pytest.approx(agreed)  # the plain in-span estimate learned nothing
+    acc.agreement = acc.CONTESTED
+    assert acc.rates(6, 1)[0] < 0.15
