@@ -68,8 +68,9 @@ FRESH_TRUSTED = 12
 # run to SPAN_FACTOR times the match length, at the batch size that costs least per token (SuffixDecoding,
 # Oliaro et al. 2024, sizes drafts by the match length the same way). A long copy tends to go on, and its
 # per-position estimates, multiplied over 40 positions, undersell that: a 13-token match drafted 23, then
-# 39, then 47 where the copy ran 150 tokens. Replaying the 16 learning prompts on their target-only replies
-# (and, once, the 40 evaluation ones): 1.02x -> 1.05x and 1.09x -> 1.13x of llama.cpp's n-gram drafters.
+# 39, then 47 where the copy ran 150 tokens. Replayed on target-only replies at one calibration's costs
+# (benchmarks/lookup_replay.py), against llama.cpp's n-gram drafters: 1.02x -> 1.05x on the 16 learning
+# prompts, 1.09x -> 1.13x on the 40 evaluation ones.
 SPAN_LONG = 8
 SPAN_FACTOR = 4
 DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it

@@ -14,7 +14,14 @@ from specchat.drafters import (
 from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
 from specchat.policy import (
+    CALIBRATION_SIZES,
+    FRESH_FIRST,
+    FRESH_TRUSTED,
     HISTORY_FIRST,
+    LOOKUP_MARGIN,
+    SPAN_FACTOR,
+    SPAN_LONG,
+    best_length,
     AcceptanceStore,
     HybridPolicy,
     LookupPolicy,
@@ -575,3 +582,55 @@ def test_a_branch_holds_a_long_match_back_in_a_span():
     assert acc.rates(6, 1)[0] == pytest.approx(agreed)  # the plain in-span estimate learned nothing
     acc.agreement = acc.CONTESTED
     assert acc.rates(6, 1)[0] < 0.15
+
+
+# gemma-3-270m on two CPU cores, as calibrated (ms): a batch of 48 costs the least per token
+GEMMA = CostModel(list(CALIBRATION_SIZES), [s / 1000 for s in (10.5, 23.5, 31.1, 34.4, 50.1, 54.7, 59.4, 42.5, 61.5,
+                                                               65.0, 75.6, 83.8, 96.5, 105.8, 122.3, 142.6, 169.9, 199.7)],
+                  measured=True)
+
+
+def test_a_long_copy_is_drafted_as_far_as_its_match_earns_at_the_cheapest_batch():
+    """Inside a copied span with a match of SPAN_LONG+ tokens, a draft the estimates chose to send runs to
+    SPAN_FACTOR x the match, at the timed batch size that costs least per token; a fresh match, a short one
+    and a draft from earlier replies are not stretched."""
+    tokens = list(range(64))
+
+    def sent(match_len, *, in_span=True, source="prompt-lookup"):
+        policy = LookupPolicy(CostModel(GEMMA.sizes, GEMMA.seconds, measured=True), draft_max=64)
+        policy.lookup.after_miss = not in_span
+        return policy.trim(Draft(tokens, match_len=match_len, source=source)), policy
+
+    n, policy = sent(13)
+    assert n + 1 == GEMMA.cheapest_batch(2, 4 * 13 + 1) == 48
+    # the estimates alone, without the stretch, would send less
+    assert 0 < best_length(policy.lookup.rates(13, 64), GEMMA, 0.0, 0.0, LOOKUP_MARGIN)[0] < n
+    n9, _ = sent(SPAN_LONG + 1)
+    assert n9 + 1 == GEMMA.cheapest_batch(2, SPAN_FACTOR * (SPAN_LONG + 1) + 1) < 48  # 4 x 9: up to 37
+    fresh, _ = sent(13, in_span=False)
+    assert fresh < n
+    short, _ = sent(SPAN_LONG - 2)
+    assert short < n9
+    history, _ = sent(13, source="history")
+    assert history <= HISTORY_FIRST
+
+
+def test_a_short_fresh_match_sends_a_few_tokens_however_good_its_record():
+    """A fresh match shorter than FRESH_TRUSTED sends at most FRESH_FIRST tokens even where fresh matches have
+    been coming true: one wrong 24-token draft costs seven plain steps on two CPU cores. Inside the span, or
+    where the n-gram's earlier occurrences agreed, the estimates decide alone."""
+    policy = LookupPolicy(CostModel(GEMMA.sizes, GEMMA.seconds, measured=True), draft_max=64)
+    acc = policy.lookup
+    for _ in range(60):  # fresh 4-token matches and what follows them: always right
+        acc.after_miss = True
+        for m in range(4, 40):
+            acc.add(m, True)
+    tokens = list(range(64))
+    acc.after_miss = True
+    assert policy.trim(Draft(tokens, match_len=4)) == FRESH_FIRST
+    acc.after_miss = False
+    assert policy.trim(Draft(tokens, match_len=4)) > FRESH_FIRST
+    acc.after_miss = True
+    assert policy.trim(Draft(tokens, match_len=4, agree=3, seen=3)) > FRESH_FIRST  # a loop: trusted at once
+    acc.after_miss = True
+    assert policy.trim(Draft(tokens, match_len=FRESH_TRUSTED)) > FRESH_FIRST

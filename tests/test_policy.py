@@ -18,6 +18,7 @@ from specchat.policy import (
     LOOKUP_BUCKETS,
     FixedPolicy,
     best_length,
+    CALIBRATION_BUDGET,
     CALIBRATION_SIZES,
     cached_cost_model,
     cost_cache_key,
@@ -219,6 +220,34 @@ def test_cost_cache_round_trip(tmp_path):
     cache.write_text(json.dumps(table))
     third = cached_cost_model(backend, cache)
     assert backend.evaluated > evaluated and third.sizes == first.sizes
+
+
+def test_a_calibration_cut_short_under_a_smaller_budget_is_measured_again(tmp_path):
+    """An entry an older specchat timed up to 28 under a 2 s budget is measured again (long lookup drafts are
+    sent only at timed sizes); one that stopped there under today's budget (a slow machine) is kept."""
+    backend = FakeBackend(lambda ctx: np.zeros(8, dtype=np.float32), 8, name="fake-model")
+    cache = tmp_path / "costs.json"
+    cached_cost_model(backend, cache)
+    table = json.loads(cache.read_text())
+    entry = table[cost_cache_key(backend)]
+    assert entry["budget"] == CALIBRATION_BUDGET
+    short = CALIBRATION_SIZES.index(28) + 1
+    entry["sizes"], entry["seconds"] = entry["sizes"][:short], entry["seconds"][:short]
+    cache.write_text(json.dumps(table))
+    evaluated = backend.evaluated
+    assert cached_cost_model(backend, cache).sizes[-1] == 28  # today's budget stopped there: kept
+    assert backend.evaluated == evaluated
+    del entry["budget"]  # an older specchat's entry
+    cache.write_text(json.dumps(table))
+    assert cached_cost_model(backend, cache).sizes[-1] == CALIBRATION_SIZES[-1]
+    assert backend.evaluated > evaluated
+
+
+def test_cheapest_batch_per_token():
+    cost = CostModel([1, 8, 16, 24, 48, 64], [0.010, 0.040, 0.065, 0.084, 0.143, 0.200], measured=True)
+    assert cost.cheapest_batch(2, 64) == 48  # 2.98 ms a token, against 3.13 at 64
+    assert cost.cheapest_batch(2, 40) == 24  # only timed sizes are sent
+    assert cost.cheapest_batch(2, 7) is None  # no timed size in between
 
 
 def test_a_measured_cost_model_sends_only_the_sizes_it_timed():
