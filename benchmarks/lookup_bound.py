@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specchat.backend import LlamaCppBackend  # noqa: E402
 from specchat.config import load_config  # noqa: E402
-from specchat.drafters import PromptLookup  # noqa: E402
+from specchat.drafters import NgramHistory, PromptLookup  # noqa: E402
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.paths import cache_dir  # noqa: E402
 from specchat.policy import CostModel, FixedPolicy, LookupPolicy, cached_cost_model  # noqa: E402
@@ -79,14 +79,16 @@ def bound_seconds(props, reply: list[int], cost: CostModel, overhead: float) -> 
     return best[0]
 
 
-def replay_seconds(prompt: list[int], reply: list[int], cost: CostModel, overhead: float, policy) -> float:
+def replay_seconds(prompt: list[int], reply: list[int], cost: CostModel, overhead: float, policy,
+                   history: NgramHistory | None = None) -> float:
     """The policy's time on this reply: the engine's plan / propose / trim / observe loop, each step billed
-    at the measured cost of its batch."""
-    lookup = PromptLookup(1, 32)
+    at the measured cost of its batch. `history`: earlier replies lookup may copy from."""
+    lookup = PromptLookup(1, 32, history=history)
     context, i, seconds = list(prompt), 0, 0.0
+    lookup.prefill(context)
     while i < len(reply):
         k = policy.plan(len(reply) - i - 1)
-        tokens, match = lookup.find(np.asarray(context, dtype=np.int64), k) if k > 0 else ([], 0)
+        tokens, match = lookup.find(context, k) if k > 0 else ([], 0)
         n_send = policy.trim(lookup.draft(tokens, match)) if tokens else 0
         drafts = tokens[:n_send]
         accepted = agreeing(drafts, reply, i)

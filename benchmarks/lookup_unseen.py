@@ -29,7 +29,10 @@ usually 3: ngram-simple, ngram-map-k(4v) and ngram-mod overshoot -n by different
 
 Only the CLI (`python -m specchat.cli prompt --json`) and specchat.paths / specchat.history.save_replies are
 used, so the benchmark keeps working when the lookup's internals change. generate_seconds (from --json)
-excludes model load and prefill, like llama.cpp's `decoded ... in ... seconds`.
+excludes model load and prefill, like llama.cpp's `decoded ... in ... seconds`, and a reply that ended counts
+its end-of-generation token on both sides, as llama.cpp's `decoded` count does.
+
+To work on the policy, lookup_replay.py replays the same prompts on fixed replies, without the noise.
 """
 
 from __future__ import annotations
