@@ -592,8 +592,7 @@ class LlamaCppBackend:
         self.reevaluated = 0  # tokens evaluated again after a checkpoint restore
         self.rollback_seconds = 0.0  # spent saving and restoring checkpoints
         self._views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view, see eval
-        self._warm_up()
-        self.memory = self._memory_kind()
+        self.memory = self._warm_up()
 
     # -- evaluation --------------------------------------------------------------------------------
 
@@ -813,26 +812,27 @@ class LlamaCppBackend:
         self._last_batch = 0
         self._checkpoints = {}
 
-    def _warm_up(self) -> None:
+    def _warm_up(self) -> MemoryKind:
         """One decode of one token, then an empty cache, as llama.cpp's tools do before their first request
         (common_init's warm-up): a process's first one-token decodes pay for building that graph and for
         first touches of the weights, up to 14 ms over the first two tokens on gemma-3-270m with two CPU
-        cores, which would otherwise land on the first reply."""
+        cores, which would otherwise land on the first reply. The model's memory kind is read while that
+        token is held (a recurrent state's size is measured after one token)."""
         self.eval([max(0, self.vocab.bos)], [0])
+        memory = self._memory_kind()
         self._lib.llama_memory_clear(self._mem, True)
         self.tokens, self._held, self._last_batch, self.evaluated = [], 0, 0, 0
+        return memory
 
     def _memory_kind(self) -> MemoryKind:
-        """What llama.cpp says about this model's memory (common_context_can_seq_rm asks the same)."""
+        """What llama.cpp says about this model's memory (common_context_can_seq_rm asks the same); called by
+        _warm_up with one token held."""
         lib, model = self._lib, self._model
         arch = self.metadata.get("general.architecture", "")
         if not (lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model)):
             return MemoryKind("kv", arch)
-        # the size of one copy of the recurrent state, as a checkpoint will take it: after one token
-        self.eval([max(0, self.vocab.bos)], [])
+        # the size of one copy of the recurrent state, as a checkpoint will take it: after the warm-up's token
         state = lib.llama_state_seq_get_size_ext(self.llm.ctx, 0, STATE_PARTIAL)
-        lib.llama_memory_clear(self._mem, True)
-        self.tokens, self._held, self._last_batch, self.evaluated = [], 0, 0, 0
         snapshots = lib.llama_n_rs_seq(self.llm.ctx)  # 0 where the arch does not support them
         if state == 0 and snapshots == 0:  # nothing to copy it with, and no snapshots: it cannot be cut
             return MemoryKind("none", arch)
