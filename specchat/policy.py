@@ -44,6 +44,13 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56,
 # first run on a slow machine measures for a few seconds, not a minute (see CostModel.measure).
 REQUIRED_SIZE = 8
 CALIBRATION_BUDGET = 4.0
+# Each size is timed twice and the faster timing kept: on a shared machine a timing is only ever slowed
+# down (another process, a page fault), and one slow timing of a big batch decided every long draft. With
+# one timing per big size, gemma-3-270m's per-token cost read 5.3 ms at 48 and 4.2 at 64 one day; timed
+# 4 x 3 times it is 3.0-3.2 and 2.9, and falls steadily with the batch size. Entries timed otherwise
+# (an older specchat's, without this version) are timed again.
+CALIBRATION_REPS = 2
+CALIBRATION_VERSION = 2
 MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
 # Draft only when the predicted rate beats plain decoding by this much: the acceptance estimates come
 # from a handful of observations, and on a CPU a wrong guess costs several tokens' worth of time.
@@ -226,7 +233,7 @@ class CostModel:
             self.batch = (1 - self.BATCH_WEIGHT) * self.batch + self.BATCH_WEIGHT * ratio
 
     @classmethod
-    def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = 2,
+    def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = CALIBRATION_REPS,
                 notify: Callable[[float], None] | None = None, budget: float | None = None) -> CostModel:
         """Time real evaluations of each batch size after what the cache holds, then roll them back.
 
@@ -256,26 +263,20 @@ class CostModel:
             one = timed(1)
             required = [n for n in sizes if n <= REQUIRED_SIZE]
             # a batch of n costs about 1 + 0.35 (n - 1) single steps on two CPU cores (SmolLM2, gemma-3-270m)
-            estimate = sum(one * (1 + 0.35 * (n - 1)) * _reps(n, reps) for n in required)
+            estimate = sum(one * (1 + 0.35 * (n - 1)) * reps for n in required)
             notify(max(estimate, budget if len(required) < len(sizes) else 0.0))
         seconds = []
         measured = []
         for n in sizes:
             if n > REQUIRED_SIZE:
                 # the next size's timings, predicted from the last one's: stop before the budget, not after
-                predicted = seconds[-1] * n / measured[-1] * _reps(n, reps)
+                predicted = seconds[-1] * n / measured[-1] * reps
                 if time.perf_counter() - started + predicted > budget:
                     break
-            seconds.append(float(np.median([timed(n) for _ in range(_reps(n, reps))])))
+            seconds.append(min(timed(n) for _ in range(max(1, reps))))
             measured.append(n)
         # not made monotone: a bigger batch can really cost less (whole tiles; see CALIBRATION_SIZES)
         return cls(measured, seconds, measured=True)
-
-
-def _reps(n: int, reps: int) -> int:
-    """Timings per batch size: the small sizes, which most steps send, get all of them (the online
-    factors in `update` correct what a short calibration gets wrong)."""
-    return reps if n <= 8 else max(1, reps - 1)
 
 
 def cost_cache_key(backend: Backend) -> str:
@@ -315,13 +316,14 @@ def cached_cost_model(backend, cache_file: Path | None,
     # one that stopped short of the last size under a smaller budget than today's is measured again too:
     # long lookup drafts are sent only at sizes that were timed
     complete = bool(sizes) and (sizes[-1] == CALIBRATION_SIZES[-1] or entry.get("budget", 0.0) >= CALIBRATION_BUDGET)
-    if (sizes and sizes == list(CALIBRATION_SIZES[: len(sizes)]) and sizes[-1] >= need and complete
+    current = isinstance(entry, dict) and entry.get("version") == CALIBRATION_VERSION  # timed as today's is
+    if (sizes and current and sizes == list(CALIBRATION_SIZES[: len(sizes)]) and sizes[-1] >= need and complete
             and len(entry.get("seconds", ())) == len(sizes)):
         return CostModel(entry["sizes"], entry["seconds"], measured=True)
     model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s)) if notify is not None else None)
     if cache_file is not None:
         table[key] = {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time(),
-                      "budget": CALIBRATION_BUDGET}
+                      "budget": CALIBRATION_BUDGET, "version": CALIBRATION_VERSION}
         _write_atomic(cache_file, json.dumps(table, indent=1))
     return model
 

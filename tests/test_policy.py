@@ -19,6 +19,7 @@ from specchat.policy import (
     FixedPolicy,
     best_length,
     CALIBRATION_BUDGET,
+    CALIBRATION_REPS,
     CALIBRATION_SIZES,
     cached_cost_model,
     cost_cache_key,
@@ -241,6 +242,43 @@ def test_a_calibration_cut_short_under_a_smaller_budget_is_measured_again(tmp_pa
     cache.write_text(json.dumps(table))
     assert cached_cost_model(backend, cache).sizes[-1] == CALIBRATION_SIZES[-1]
     assert backend.evaluated > evaluated
+
+
+def test_calibration_keeps_the_fastest_timing_of_each_size(monkeypatch):
+    """A timing is only ever slowed down by the machine (another process, a page fault): of each size's
+    timings the fastest is kept, so one stall does not decide the draft lengths."""
+    backend = FakeBackend(lambda ctx: np.zeros(8, dtype=np.float32), 8)
+    clock = {"now": 0.0, "evals": 0}
+    real_eval = backend.eval
+
+    def eval_(tokens, logits_at):  # n tokens take n ms, and every other evaluation stalls 50 ms more
+        clock["evals"] += 1
+        clock["now"] += len(tokens) * 1e-3 + (0.05 if clock["evals"] % 2 else 0.0)
+        return real_eval(tokens, logits_at)
+
+    monkeypatch.setattr(backend, "eval", eval_)
+    monkeypatch.setattr("specchat.policy.time.perf_counter", lambda: clock["now"])
+    model = CostModel.measure(backend, budget=60.0)
+    assert CALIBRATION_REPS >= 2
+    assert model.sizes == list(CALIBRATION_SIZES)
+    assert model.seconds == pytest.approx([n * 1e-3 for n in model.sizes])
+
+
+def test_a_calibration_timed_the_old_way_is_measured_again(tmp_path):
+    """Entries an older specchat timed once per big size (no "version") are timed again."""
+    backend = FakeBackend(lambda ctx: np.zeros(8, dtype=np.float32), 8, name="fake-model")
+    cache = tmp_path / "costs.json"
+    cached_cost_model(backend, cache)
+    table = json.loads(cache.read_text())
+    entry = table[cost_cache_key(backend)]
+    evaluated = backend.evaluated
+    cached_cost_model(backend, cache)
+    assert backend.evaluated == evaluated  # today's entry: read, not measured
+    del entry["version"]
+    cache.write_text(json.dumps(table))
+    cached_cost_model(backend, cache)
+    assert backend.evaluated > evaluated
+    assert "version" in json.loads(cache.read_text())[cost_cache_key(backend)]
 
 
 def test_cheapest_batch_per_token():
