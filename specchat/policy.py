@@ -14,8 +14,10 @@ per model file and thread count), rescaled online by what steps really take, and
 are sent (--reproducible: fixed reference costs instead, nothing timed or learned from the clock);
 a_i are running estimates: for a draft model, one per draft position; for prompt lookup, one per
 length of the match the token continues (a_i = A(m + i) for an m-token match: see LookupAcceptance),
-so a 24-token match predicts a long accepted run and a 1-token match almost none. They are saved per (target file, drafter) in the cache dir when a run ends
-and read back, discounted, by the next process (`AcceptanceStore`). The hybrid drafter asks `choose`
+so a 24-token match predicts a long accepted run and a 1-token match almost none. A draft model's are
+saved per (target file, drafter) in the cache dir when a run ends and read back, discounted, by the next
+process (`AcceptanceStore`); lookup's belong to one conversation (see AdaptivePolicy.CARRIED). The hybrid
+drafter asks `choose`
 each step whether lookup's match, the draft model or neither has the best expected rate.
 """
 
@@ -540,25 +542,6 @@ class LookupAcceptance:
         for i in range(min(tried, accepted + 1)):
             self.add(match + i, i < accepted, history)
 
-    def as_dict(self) -> dict:
-        return {"hits": np.round(self.hits, 4).tolist(), "tries": np.round(self.tries, 4).tolist()}
-
-    def absorb(self, saved: dict, trust: float) -> bool:
-        """Counts an earlier process saved, each bucket discounted to at most `trust` observations."""
-        try:
-            hits = np.asarray(saved["hits"], dtype=np.float64)
-            tries = np.asarray(saved["tries"], dtype=np.float64)
-        except (KeyError, TypeError, ValueError):
-            return False
-        if hits.shape != self.hits.shape or tries.shape != self.tries.shape:
-            return False
-        if not (np.isfinite(hits).all() and np.isfinite(tries).all()) or (hits < 0).any() or (hits > tries + 1e-6).any():
-            return False
-        scale = np.where(tries > trust, trust / np.maximum(tries, 1e-12), 1.0)
-        self.hits, self.tries = hits * scale, tries * scale
-        self._refresh()
-        return True
-
 
 class AcceptanceStore:
     """Acceptance estimates kept across processes: one JSON file in the cache dir, one entry per
@@ -566,9 +549,9 @@ class AcceptanceStore:
     foreign file (or entry) is ignored and overwritten, never an error."""
 
     VERSION = 5
-    # observations a saved estimate counts as (per position or bucket), however many it had: what other
-    # prompts taught is a prior, and two of this run's own misses outweigh it (with 8, a store learned on
-    # prompts the reply copied sent 24-token drafts into a reply that copied nothing, one miss after another)
+    # observations a saved estimate counts as (per position), however many it had: what other prompts
+    # taught is a prior, and two of this run's own misses outweigh it (with 8, a store learned on prompts
+    # the reply copied sent 24-token drafts into a reply that copied nothing, one miss after another)
     TRUST = 2.0
 
     def __init__(self, path: Path, key: str, label: str = ""):
@@ -609,6 +592,12 @@ class AdaptivePolicy:
     - HybridPolicy: lookup runs first; `choose` compares its best rate with the model's and with k = 0."""
 
     kind = ""
+    # The estimates the next process starts from (AcceptanceStore). A draft model's acceptance is a trait
+    # of the pair, so it carries over. Lookup's is a trait of the conversation (does this reply copy its
+    # prompt?) and its priors were measured: replayed on 40 unseen prompts with the state 16 others left
+    # (benchmarks/lookup_replay.py), carrying it over at any weight was slower than starting empty (1.16x
+    # of llama.cpp at 2 observations a bucket, 1.17x at 0.5, 1.18x empty; one prompt 0.95x -> 0.86x).
+    CARRIED = ("model",)
 
     def __init__(self, verify_cost: CostModel, *, draft_max: int, draft_cost: CostModel | None = None,
                  store: AcceptanceStore | None = None, learn_costs: bool = True):
@@ -633,7 +622,7 @@ class AdaptivePolicy:
         if store is not None:  # start from the estimates an earlier process saved
             saved = store.load()
             for name, estimate in self._estimates().items():
-                if name in saved:
+                if name in saved and name in self.CARRIED:
                     estimate.absorb(saved[name], AcceptanceStore.TRUST)
 
     # --- what each kind adds
@@ -650,15 +639,17 @@ class AdaptivePolicy:
 
     def tables(self) -> dict[str, dict]:
         """The estimates worth keeping for the next process."""
-        return {name: e.as_dict() for name, e in self._estimates().items() if e.tries.sum() > 0}
+        return {name: e.as_dict() for name, e in self._estimates().items()
+                if name in self.CARRIED and e.tries.sum() > 0}
 
     # --- memory across runs
 
     def finish(self) -> None:
         self.last_note = self.decline_note()
         self._steps = self._sent = self._matched = 0
-        if self.store is not None:
-            self.store.save(self.tables())
+        tables = self.tables()
+        if self.store is not None and tables:  # lookup alone keeps nothing (CARRIED): no file written
+            self.store.save(tables)
 
     def _count(self, step: StepStats, proposed: Sequence[int]) -> None:
         self._steps += 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specchat.drafters import (
-    CANDIDATES, ORDER, Draft, FrozenNgramIndex, HybridDrafter, NgramHistory, NgramIndex, PromptLookup, find_match,
+    CANDIDATES, HISTORY_LEAD, ORDER, Draft, FrozenNgramIndex, HybridDrafter, NgramHistory, NgramIndex, PromptLookup, find_match,
 )
 from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
@@ -23,6 +23,7 @@ from specchat.policy import (
     SPAN_LONG,
     best_length,
     AcceptanceStore,
+    DraftModelPolicy,
     HybridPolicy,
     LookupPolicy,
     CostModel,
@@ -145,15 +146,20 @@ def test_matches_across_turns_of_a_conversation():
     assert length == 3 and tokens == [15, 16, 17, 2]
 
 
-def test_history_match_wins_only_when_longer_and_stops_at_the_reply_end():
-    history = NgramHistory([[40, 41, 42, 43, 44], [60, 61, 62]])
+def test_history_match_wins_only_when_longer_by_a_lead_and_stops_at_the_reply_end():
+    assert HISTORY_LEAD == 4
+    history = NgramHistory([[30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44], [60, 61, 62]])
     lookup = PromptLookup(1, 32, history=history)
-    # context has a 1-token match for 42; history has 42 preceded by 40, 41: a 3-token match wins
+    # the context has a 1-token match for 42; the history a 7-token one (36..42): more than 4 longer, it wins
+    tokens, length = lookup.find([42, 99, 36, 37, 38, 39, 40, 41, 42], 8)
+    assert (tokens, length) == ([43, 44], 7) and lookup.last_from_history  # cut at the end of the reply
+    # a 3-token one (40, 41, 42) is not enough: the context's own continuation stays
     tokens, length = lookup.find([42, 99, 40, 41, 42], 8)
-    assert (tokens, length) == ([43, 44], 3) and lookup.last_from_history  # cut at the end of the reply
+    assert length == 1 and tokens[0] == 99 and not lookup.last_from_history
     # as long in the context: the context wins (it is this conversation)
     tokens, length = lookup.find([61, 62, 7, 61, 62], 4)
     assert (tokens, length) == ([7, 61, 62, 7], 2) and not lookup.last_from_history  # around the loop
+    # nothing in the context: any history match is used (40, 41, 42: 3 tokens)
     draft = lookup.propose([1, 40, 41, 42], 4, GREEDY, np.random.default_rng(0))
     assert draft.source == "history" and draft.tokens == [43, 44]
     # the separator never matches, so a reply's first token cannot continue the one before it
@@ -253,32 +259,60 @@ def trained_policy(store, match_len=20):
     return policy
 
 
-def test_a_fresh_process_starts_from_what_earlier_runs_learned(tmp_path):
+def trained_model_policy(store, accepted: int, rounds: int = 40):
+    """A draft-model policy whose drafts of 8 were accepted `accepted` tokens deep, `rounds` times."""
+    policy = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]), store=store)
+    for _ in range(rounds):
+        policy.observe(step(8, accepted, source="draft-model"), [], [])
+    return policy
+
+
+def test_a_fresh_process_starts_from_what_earlier_runs_learned_of_a_draft_model(tmp_path):
+    path = tmp_path / "acceptance.json"
+    cold = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]))
+    trained_model_policy(AcceptanceStore(path, "target|draft"), accepted=8).finish()
+    warm = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]),
+                            store=AcceptanceStore(path, "target|draft"))
+    assert (warm.model_acceptance.rates(8) > cold.model_acceptance.rates(8)).all()
+    # discounted: at most TRUST observations per position carry over
+    assert 0 < warm.model_acceptance.tries.max() <= AcceptanceStore.TRUST + 1e-9
+    # another target or drafter does not see them
+    other = DraftModelPolicy(GPU, draft_max=8, store=AcceptanceStore(path, "other|draft"))
+    assert other.model_acceptance.tries.sum() == 0
+
+
+def test_a_draft_models_saved_estimates_are_not_trusted_blindly(tmp_path):
+    path = tmp_path / "acceptance.json"
+    trained_model_policy(AcceptanceStore(path, "k"), accepted=8).finish()
+    warm = trained_model_policy(AcceptanceStore(path, "k"), accepted=0, rounds=0)
+    assert warm.model_acceptance.rates(1)[0] > 0.75
+    # this conversation is different: the model's first token is now rejected every time
+    policy = trained_model_policy(AcceptanceStore(path, "k"), accepted=0, rounds=6)
+    assert policy.model_acceptance.rates(1)[0] < 0.4
+
+
+def test_lookup_estimates_belong_to_one_conversation(tmp_path):
+    """What lookup learned on other prompts is not carried into the next process: replayed on unseen
+    prompts, it never made runs faster than the measured priors (AdaptivePolicy.CARRIED). Within one
+    process (a chat's turns) the policy keeps what it learned."""
     path = tmp_path / "acceptance.json"
     tokens = list(range(64))
-    # 4-token matches: the priors alone do not draft on them, earlier runs that saw them hold do
     cold = LookupPolicy(CPU, draft_max=64).trim(Draft(tokens, match_len=4))
     trained = trained_policy(AcceptanceStore(path, "target|prompt-lookup"), match_len=4)
+    assert trained.trim(Draft(tokens, match_len=4)) > cold  # this conversation's evidence counts
     trained.finish()
+    assert not path.exists()  # lookup alone keeps nothing: no file written
     warm = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
-    assert cold == 0
-    assert warm.trim(Draft(tokens, match_len=4)) > cold
-    # discounted: at most TRUST observations per bucket carry over
-    assert 0 < warm.lookup.tries.max() <= AcceptanceStore.TRUST + 1e-9
-    # another target or drafter does not see them
-    other = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "other|prompt-lookup"))
-    assert other.lookup.tries.sum() == 0
-
-
-def test_estimates_are_not_trusted_blindly(tmp_path):
-    path = tmp_path / "acceptance.json"
-    trained_policy(AcceptanceStore(path, "k")).finish()
-    policy = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
-    tokens = list(range(64))
-    for _ in range(12):  # this conversation is different: long matches are now rejected at once
-        n = policy.trim(Draft(tokens, match_len=20))
-        policy.observe(step(n, 0), tokens, [999])
-    assert policy.trim(Draft(tokens, match_len=20)) == 0
+    assert warm.lookup.tries.sum() == 0
+    assert warm.trim(Draft(tokens, match_len=4)) == cold
+    # a hybrid keeps its model's estimates and not its lookup's
+    hybrid = HybridPolicy(CPU, draft_max=64, draft_cost=CostModel([1, 2], [0.001, 0.002]),
+                          store=AcceptanceStore(path, "target|hybrid"))
+    hybrid.lookup.record(4, 3, 4)
+    hybrid.model_acceptance.record(2, 3)
+    hybrid.finish()
+    saved = AcceptanceStore(path, "target|hybrid").load()
+    assert "model" in saved and "lookup" not in saved
 
 
 def _table(first: int) -> bytes:
@@ -307,28 +341,31 @@ HITS_BAD, HITS_NEG, TRIES_ONE = _table(5), _table(-1), _table(1)  # more hits th
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": [-1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
     b'{"version": 1, "entries": {"k": {"tables": {"banana": {}, "99,1,0": {"hits": [0], "tries": [0]}, "model": "x"}}}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": ["NaN", 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    # today's version, malformed draft-model tables: more hits than tries, a negative count, NaN, wrong shape
+    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": [5, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": [-1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": ["NaN", 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": [1, 2], "tries": [1, 2]}}}}}',
+    b'{"version": 5, "entries": {"k": {"tables": "x"}}}',
 ])
 def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, content):
     path = tmp_path / "acceptance.json"
     path.write_bytes(content)
-    policy = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
-    assert policy.lookup.tries.sum() == 0  # nothing malformed was taken in
-    tokens = list(range(16))
-    for _ in range(2):  # the second lookup is the first one kept (after an accepted one)
-        n = policy.trim(Draft(tokens, match_len=20))
-        policy.observe(step(max(n, 1), 1), tokens, tokens[:2])
+    policy = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=0)
+    assert policy.model_acceptance.tries.sum() == 0  # nothing malformed was taken in
+    policy = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=2)
     policy.finish()
     doc = json.loads(path.read_text())
     assert doc["version"] == AcceptanceStore.VERSION and "k" in doc["entries"]
-    again = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "k"))
-    assert again.lookup.tries.sum() > 0
+    again = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=0)
+    assert again.model_acceptance.tries.sum() > 0
 
 
 def test_an_unwritable_cache_is_not_an_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     store = AcceptanceStore(blocker / "acceptance.json", "k")  # its parent is a file
-    policy = trained_policy(store)
+    policy = trained_model_policy(store, accepted=3)
     policy.finish()  # no exception
     assert store.load() == {}
 
@@ -337,11 +374,14 @@ def test_engine_saves_estimates_when_a_generation_ends(tmp_path):
     path = tmp_path / "acceptance.json"
     wanted = [1, 2, 3, 4, 5, 6] * 6
     target = FakeBackend(lambda ctx: np.eye(8)[wanted[len(ctx) % len(wanted)]] * 9, 8)
-    # its own cost model: the engine teaches it the fake's microsecond timings, which must not reach CPU
-    policy = LookupPolicy(CostModel(CPU.sizes, CPU.seconds), draft_max=64, store=AcceptanceStore(path, "k"))
-    for _ in generate(target, PromptLookup(), wanted[:12], GREEDY, max_tokens=20, policy=policy):
+    model, _ = make_draft_model(lambda ctx: np.eye(8)[wanted[len(ctx) % len(wanted)]] * 9, 8)
+    # cost models of their own: the engine teaches them the fakes' microsecond timings, which must not reach GPU
+    policy = DraftModelPolicy(CostModel(GPU.sizes, GPU.seconds), draft_max=4, draft_cost=CostModel([1, 2], [0.001, 0.002]),
+                              store=AcceptanceStore(path, "k"))
+    for _ in generate(target, model, wanted[:12], GREEDY, max_tokens=20, policy=policy):
         pass
-    assert AcceptanceStore(path, "k").load()
+    saved = AcceptanceStore(path, "k").load()
+    assert saved["model"]["tries"][0] > 0
 
 
 # -- the hybrid drafter -------------------------------------------------------------------------------------
@@ -507,7 +547,8 @@ def test_selection_follows_the_pair_and_the_flag():
 @pytest.mark.real
 def test_hybrid_pair_runs_and_says_which_source_drafted(measured_home):
     """SmolLM2 drafting for itself as a hybrid, on text that repeats: the label names both sources, the
-    stats count drafted tokens per source, and a second process finds the saved estimates."""
+    stats count drafted tokens per source, and the draft model's estimates (never lookup's) are saved for
+    the next process."""
     from real_models import specchat
 
     text = "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."
@@ -518,8 +559,14 @@ def test_hybrid_pair_runs_and_says_which_source_drafted(measured_home):
     assert doc["drafter"] == "prompt-lookup + smollm2-135m"
     by = doc["stats"]["drafted_by"]
     assert sum(by.values()) == doc["stats"]["drafted"] and set(by) <= {"prompt-lookup", "draft-model", "history"}
-    saved = json.loads((measured_home / ".cache" / "acceptance.json").read_text())
-    assert any("prompt-lookup + smollm2-135m" in e["label"] for e in saved["entries"].values())
+    path = measured_home / ".cache" / "acceptance.json"
+    entries = json.loads(path.read_text())["entries"] if path.exists() else {}
+    mine = [e for e in entries.values() if "prompt-lookup + smollm2-135m" in e["label"]]
+    assert all("lookup" not in e["tables"] for e in mine)
+    if by.get("draft-model"):  # the model drafted: what it showed is kept
+        assert mine and "model" in mine[0]["tables"]
+    else:
+        assert not mine
 
 
 def test_a_draft_from_earlier_replies_earns_its_length_in_this_conversation():
