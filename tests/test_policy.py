@@ -76,6 +76,25 @@ def test_batches_dearer_than_calibrated_make_marginal_drafts_wait():
     assert best_length(a, model)[0] < best_length(a, CostModel(model.sizes, model.seconds))[0]
 
 
+def test_the_first_batch_larger_than_any_before_teaches_no_cost():
+    """A batch larger than any before it grows llama.cpp's buffers and pays their first touch (gemma: 311 ms
+    for the first 64-token batch of a process, 170 after): that one-off must not make batches look dearer."""
+    cost = CostModel([1, 2, 4, 8, 16], [0.015, 0.025, 0.038, 0.069, 0.101])
+    policy = LookupPolicy(cost, draft_max=15)
+
+    def verified(drafted, seconds):
+        policy.observe(StepStats(step=0, drafted=drafted, accepted=drafted, emitted=drafted + 1,
+                                 draft_seconds=0.0, verify_seconds=seconds), [], [])
+
+    verified(15, 0.101 * 1.8)  # the first 16-token batch: slow, and ignored
+    assert cost.batch == 1.0
+    verified(7, 0.069 * 1.8)  # a smaller one after it: its buffers were already touched, so it counts
+    assert cost.batch > 1.1
+    before = cost.batch
+    verified(15, 0.101 * 1.8)  # a second 16-token batch as slow: now it is what batches cost
+    assert cost.batch > before
+
+
 def test_best_length_cpu_needs_high_acceptance_gpu_does_not():
     # 60% per-position acceptance: worth drafting on a GPU, a loss on this CPU
     a = np.full(8, 0.6)
