@@ -783,6 +783,7 @@ class LookupPolicy(AdaptivePolicy):
         self._shadow: list[int] = []
         self._shadow_match: tuple[int, bool] = (0, False)  # match length the shadow's first token continues
         self.history_earned = HISTORY_FIRST
+        self._from_history = False  # whether the last proposal looked at came from earlier replies
 
     def _drafting_possible(self) -> bool:
         return True  # lookup is free: always worth looking
@@ -814,12 +815,21 @@ class LookupPolicy(AdaptivePolicy):
         return (f"draft off: the lookup matches were too short to pay for a 4-token verify that costs "
                 f"{self._steps_cost(4):.1f} steps here")
 
+    def _look_at(self, draft: Draft) -> bool:
+        """Set the estimates' state for this proposal; whether it comes from earlier replies."""
+        history = draft.source == "history"
+        if history != self._from_history:
+            # a span followed in the other source says nothing about this one: it is a fresh match
+            self.lookup.after_miss = True
+            self._from_history = history
+        self.lookup.agreement = agreement(draft)
+        return history
+
     def trim(self, draft: Draft) -> int:
         if not draft.tokens:
             return 0
-        history = draft.source == "history"
+        history = self._look_at(draft)
         self._match = (draft.match_len, history)
-        self.lookup.agreement = agreement(draft)
         n, _ = self._lookup_best(draft.match_len, len(draft.tokens), history)
         return n
 
@@ -883,8 +893,7 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
         have the model draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup
         wins ties: its drafts cost nothing, so a long match beats the model even where the model's tokens
         are cheap."""
-        history = found.source == "history"
-        self.lookup.agreement = agreement(found)
+        history = self._look_at(found) if found.tokens else False
         lookup_n, lookup_rate = (0, 0.0) if not found.tokens else self._lookup_best(found.match_len, len(found.tokens), history)
         model_n, model_rate = self._model_best(limit)
         self._match = (found.match_len, history) if found.tokens else None

@@ -681,3 +681,8 @@ def test_a_short_fresh_match_sends_a_few_tokens_however_good_its_record():
     assert policy.trim(Draft(tokens, match_len=4, agree=3, seen=3)) > FRESH_FIRST  # a loop: trusted at once
     acc.after_miss = True
     assert policy.trim(Draft(tokens, match_len=FRESH_TRUSTED)) > FRESH_FIRST
+    # a span followed in earlier replies says nothing about a match in the context: that one is fresh
+    policy.trim(Draft(tokens, match_len=4, source="history"))
+    acc.after_miss = False  # the history's proposal came true
+    assert policy.trim(Draft(tokens, match_len=4)) == FRESH_FIRST
+    assert acc.after_miss
