@@ -21,6 +21,7 @@ from specchat.policy import (
     LOOKUP_MARGIN,
     SPAN_FACTOR,
     SPAN_LONG,
+    SPAN_MAX,
     best_length,
     AcceptanceStore,
     DraftModelPolicy,
@@ -660,6 +661,14 @@ def test_a_long_copy_is_drafted_as_far_as_its_match_earns_at_the_cheapest_batch(
     assert short < n9
     history, _ = sent(13, source="history")
     assert history <= HISTORY_FIRST
+    # where 64 costs least per token (a later calibration of the same machine), no further than SPAN_MAX
+    cheap64 = CostModel(list(CALIBRATION_SIZES), [s * n for s, n in zip(
+        (9.8, 11.4, 10.6, 8.5, 10.5, 8.3, 8.6, 4.8, 4.2, 3.2, 3.1, 3.2, 3.0, 3.3, 2.9, 2.8, 2.8, 2.7), CALIBRATION_SIZES)],
+        measured=True)
+    assert cheap64.cheapest_batch(2, 64) == 64
+    policy = LookupPolicy(CostModel(cheap64.sizes, [x / 1000 for x in cheap64.seconds], measured=True), draft_max=64)
+    policy.lookup.after_miss = False
+    assert policy.trim(Draft(tokens, match_len=32)) == SPAN_MAX == 47
 
 
 def test_a_short_fresh_match_sends_a_few_tokens_however_good_its_record():
