@@ -10,7 +10,7 @@ where the model ends it) is decoded once and cached (--replies). Then, on those 
 billed at this machine's calibrated batch costs (the policy's costs.json) plus a fixed host time per step:
 
 - empty / learned: specchat's LookupPolicy and PromptLookup step by step, from nothing, or from what the
-  learning set taught (its acceptance store and its replies as the reply history), as lookup_unseen.py runs them;
+  learning set taught (what its runs keep, and its replies as the reply history), as lookup_unseen.py runs them;
 - ngram-simple: llama.cpp's (common/ngram-map.cpp): the latest earlier occurrence of the last 12 tokens,
   its next 48 drafted (at least 12 available);
 - ngram-mod: llama.cpp's (common/ngram-mod.cpp): a table of 24-gram -> next token, filled from the prompt

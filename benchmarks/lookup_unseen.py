@@ -16,9 +16,9 @@ Per prompt:
    and specchat at each of those token counts (`-n` = the drafter's count), in three settings:
    - empty:   the default (prompt lookup + adaptive policy) in a fresh SPECCHAT_HOME holding only this
               machine's cost calibration (costs.json), so nothing learned and no calibration timed;
-   - learned: a fresh copy of a SPECCHAT_HOME in which the learning set ran first (its acceptance store and
-              its replies saved to the reply history, as `specchat report` saves them); frozen, so every
-              run sees the same state;
+   - learned: a fresh copy of a SPECCHAT_HOME in which the learning set ran first (whatever those runs
+              keep in the cache, and their replies saved to the reply history, as `specchat report` saves
+              them); frozen, so every run sees the same state;
    - target-only: `--no-spec`.
 3. Medians over reps. "best" = the llama.cpp drafter with the highest median tok/s; specchat's ratios are
    taken at that drafter's token count. Target-only ratios are at the same count.
@@ -133,7 +133,7 @@ def seed_home(work: Path, threads: int) -> Path:
 
 def learned_home(work: Path, seed: Path, learning: list[dict], n: int, threads: int) -> Path:
     """The seed plus what the learning set teaches: each learning prompt run with the default policy
-    (acceptance store updated by each run), then their replies saved to the reply history the way
+    (whatever each run keeps in the cache), then their replies saved to the reply history the way
     `specchat report` saves its replies (`specchat prompt` saves none)."""
     home = work / "learned"
     shutil.copytree(seed, home)
