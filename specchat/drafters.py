@@ -477,8 +477,8 @@ class PromptLookup:
     The evidence goes with the draft for the policy to weigh: the match length (a 24-token match predicts
     a long accepted run, a 1-token one hardly anything), how often the continuation held before (`agree`
     of `seen`), and whether the match is in this conversation or in earlier replies (`history`, searched
-    too: used where the context has no match, or one shorter by more than HISTORY_LEAD). The context is indexed as it grows (NgramIndex), so a
-    step costs the same however long the conversation is."""
+    too: used where the context has no match, or one shorter by more than HISTORY_LEAD). The context is
+    indexed as it grows (NgramIndex), so a step costs the same however long the conversation is."""
 
     kind = "prompt-lookup"
     backend = None  # nothing to evaluate: proposals cost no model time

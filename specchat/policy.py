@@ -17,8 +17,8 @@ length of the match the token continues (a_i = A(m + i) for an m-token match: se
 so a 24-token match predicts a long accepted run and a 1-token match almost none. A draft model's are
 saved per (target file, drafter) in the cache dir when a run ends and read back, discounted, by the next
 process (`AcceptanceStore`); lookup's belong to one conversation (see AdaptivePolicy.CARRIED). The hybrid
-drafter asks `choose`
-each step whether lookup's match, the draft model or neither has the best expected rate.
+drafter asks `choose` each step whether lookup's match, the draft model or neither has the best expected
+rate.
 """
 
 from __future__ import annotations
@@ -823,7 +823,7 @@ class LookupPolicy(AdaptivePolicy):
     def _look_at(self, draft: Draft) -> bool:
         """Set the estimates' state for this proposal; whether it comes from earlier replies."""
         history = draft.source == "history"
-        if history != self._from_history:
+        if draft.tokens and history != self._from_history:
             # a span followed in the other source says nothing about this one: it is a fresh match
             self.lookup.after_miss = True
             self._from_history = history
@@ -898,7 +898,7 @@ class HybridPolicy(LookupPolicy, DraftModelPolicy):
         have the model draft k, or ("none", 0), whichever has the best expected tokens per second. Lookup
         wins ties: its drafts cost nothing, so a long match beats the model even where the model's tokens
         are cheap."""
-        history = self._look_at(found) if found.tokens else False
+        history = self._look_at(found)
         lookup_n, lookup_rate = (0, 0.0) if not found.tokens else self._lookup_best(found.match_len, len(found.tokens), history)
         model_n, model_rate = self._model_best(limit)
         self._match = (found.match_len, history) if found.tokens else None
