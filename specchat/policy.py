@@ -629,10 +629,11 @@ class AdaptivePolicy:
         self._setup()
         self.drafting_possible = self._drafting_possible()
         self.store = store
-        if store is not None:  # start from the estimates an earlier process saved
-            saved = store.load()
-            for name, estimate in self._estimates().items():
-                if name in saved and name in self.CARRIED:
+        carried = {name: e for name, e in self._estimates().items() if name in self.CARRIED}
+        if store is not None and carried:  # start from the estimates an earlier process saved
+            saved = store.load()  # (lookup alone carries nothing over: the file is not even read)
+            for name, estimate in carried.items():
+                if name in saved:
                     estimate.absorb(saved[name], AcceptanceStore.TRUST)
 
     # --- what each kind adds
