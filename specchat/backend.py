@@ -272,7 +272,8 @@ def gguf_nextn_layers(path: Path) -> int:
 
 def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
     """(architecture, the integer `<arch>.*` keys, and an EAGLE-3 head's `target_layers` as a tuple) from a
-    GGUF header, without loading anything."""
+    GGUF header, without loading anything; `vocab_size` is the tokenizer's token count where the header
+    has no such key."""
     import struct
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
@@ -306,12 +307,18 @@ def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
             read("Q")  # tensors
             values: dict[bytes, int] = {}
             arch = None
+            n_vocab = 0
             for _ in range(read("Q")):
                 key, kind = string(), read("I")
                 if key == b"general.architecture" and kind == 8:
                     arch = string()
                 elif kind in ints and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
                     values[key] = read(ints[kind])
+                elif kind == 9 and key == b"tokenizer.ggml.tokens":  # the vocabulary: only its size is kept
+                    inner, count = read("I"), read("Q")
+                    n_vocab = count
+                    f.seek(-12, 1)
+                    skip(kind)
                 elif kind == 9 and key.endswith(b".target_layers"):  # an EAGLE-3 head's layer ids
                     inner, count = read("I"), read("Q")
                     if inner not in ints:
@@ -323,7 +330,10 @@ def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
                     skip(kind)
             name = arch.decode("utf-8", "replace") if arch else None
             prefix = (arch or b"") + b"."
-            return name, {k[len(prefix):].decode(): v for k, v in values.items() if k.startswith(prefix)}
+            found = {k[len(prefix):].decode(): v for k, v in values.items() if k.startswith(prefix)}
+            if n_vocab and "vocab_size" not in found:
+                found["vocab_size"] = n_vocab
+            return name, found
     except (OSError, ValueError, struct.error):
         return None, {}
 
@@ -430,6 +440,7 @@ SNAPSHOT_ARCHS = frozenset({  # llm_arch_supports_rs_rollback: n_rs_seq snapshot
 # back without a copy. Each costs one recurrent state (tens of MB on a 27B hybrid), so like llama.cpp's
 # --draft-max default (16) this stays small; a longer draft takes a checkpoint instead.
 MAX_SNAPSHOTS = 16
+LLAMA_MAX_SEQ = 256  # llama.cpp's most sequences a context may have (src/llama-cparams.h)
 STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: only the recurrent (or SWA) part of a sequence
 
 
@@ -479,6 +490,39 @@ def arch_memory(arch: str | None) -> str:
     return "kv"
 
 
+def outputs_to_reserve(path: Path, outputs: int, n_ctx: int, n_batch: int, swa_full: bool = False) -> int:
+    """How many logits rows a target's context should reserve at load (see compat.context_params): the
+    `outputs` its largest verify batch asks for, or 1 where that reservation does not pay.
+
+    llama.cpp sizes its output buffer to the largest batch's outputs so far, reallocating it at each
+    growth, and every reallocation is fresh memory the next decode faults in: gemma-3-270m's rows are 1 MiB
+    each (262k vocabulary), and a first generation whose drafts grew 8 -> 16 -> 40 -> 48 -> 64 spent
+    100-400 ms more on those decodes than after one reservation (code-editing-1 of the unseen-prompt
+    benchmark, fresh processes: 1032 ms median against 937). The reservation is made through `n_seq_max`,
+    which also sizes two other things: a recurrent model's states (one per sequence, so never there),
+    and a sliding-window cache (n_swa x n_seq_max + n_batch cells, up to n_ctx): reserved only when that
+    growth costs no more memory than the rows themselves (gemma-3-270m at -c 4096: 57 MB for 68 MB of
+    rows; gemma-3-27B would take 1.3 GB, and is left to reallocate)."""
+    outputs = min(outputs, n_batch, LLAMA_MAX_SEQ)  # a verify batch fits one decode; llama.cpp's limit
+    if outputs <= 1:
+        return 1
+    arch, values = gguf_values(path)
+    if arch is None or arch_memory(arch) != "kv":
+        return 1
+    n_swa = 0 if swa_full else int(values.get("attention.sliding_window", 0) or 0)
+    if n_swa:
+        n_layer = int(values.get("block_count", 0))
+        n_head = int(values.get("attention.head_count", 1)) or 1
+        head_dim = int(values.get("embedding_length", 0)) // n_head
+        n_kv = int(values.get("attention.head_count_kv", n_head))
+        per_cell = n_layer * n_kv * (int(values.get("attention.key_length", head_dim))
+                                     + int(values.get("attention.value_length", head_dim))) * 2  # f16 K and V
+        grown = min(n_ctx, n_swa * outputs + n_batch) - min(n_ctx, n_swa + n_batch)
+        if grown * per_cell > int(values.get("vocab_size", 0)) * outputs * 4:  # float32 logits
+            return 1
+    return outputs
+
+
 @dataclass
 class _Checkpoint:
     """The recurrent part of the sequence state after the first `n_tokens` tokens."""
@@ -505,10 +549,13 @@ class LlamaCppBackend:
         flash_attn: str = "auto",
         snapshots: int = MAX_SNAPSHOTS,
         mtp: bool = False,
+        outputs: int = 1,
     ):
         """`snapshots`: recurrent-state snapshots to keep where the architecture supports them (the longest
         draft whose batch can be cut back without a copy); 0 for a model whose cache is cut after single-
-        token decodes (a draft model), where snapshots of one batch cannot help."""
+        token decodes (a draft model), where snapshots of one batch cannot help. `outputs`: the logits rows
+        of the largest batch to come (a target's longest verify), reserved at load where that pays (see
+        outputs_to_reserve)."""
         import llama_cpp
 
         quiet_llama_logs(llama_cpp)
@@ -521,9 +568,12 @@ class LlamaCppBackend:
             n_gpu_layers = -1 if self.rpc else default_gpu_layers()
         self.path = path
         self.name = name or path.name
+        self.outputs = outputs
+        self.reserved_outputs = outputs_to_reserve(path, outputs, n_ctx, n_batch, swa_full)
         started = time.perf_counter()
         try:
-            with compat.model_devices(devices), compat.context_params(flash_attn, snapshots, load_mtp=mtp):
+            with (compat.model_devices(devices),
+                  compat.context_params(flash_attn, snapshots, load_mtp=mtp, outputs=self.reserved_outputs)):
                 self.llm = llama_cpp.Llama(
                     str(path),
                     n_ctx=n_ctx,

@@ -51,14 +51,17 @@ def model_devices(handles: Sequence[int] | None):
 
 
 @contextmanager
-def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False):
+def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False, outputs: int = 1):
     """While a `Llama` loads, give its context llama.cpp's flash-attention setting and `n_rs_seq`, and its
     model `load_mtp` (the MTP / NextN layers a model carries for drafting; skipped unless asked for).
+    `outputs` > 1: logits rows the context reserves when it is created. llama.cpp reserves max(n_seq_max,
+    the batch's outputs) rows, so this is `n_seq_max`, with one KV cache shared by all sequences
+    (`kv_unified`) so the context is not split between them; we only ever use sequence 0.
 
     `Llama(...)` offers flash attention only on and off, defaulting to off; llama.cpp (llama-cli,
     llama-server, llama-bench) defaults to auto, which turns it on where every layer's device supports it.
     Off costs ~9% of decode speed on CPU (gemma-3-270m, 2 threads). `n_rs_seq` (recurrent-state snapshots
-    per sequence, see backend.MemoryKind) and `load_mtp` have no keyword at all. This wraps the two classes
+    per sequence, see backend.MemoryKind), `n_seq_max` and `load_mtp` have no keyword at all. This wraps the two classes
     that receive the params (`llama_cpp._internals.LlamaContext` / `LlamaModel`) for the duration of the load."""
     import llama_cpp
     import llama_cpp._internals as internals
@@ -75,6 +78,9 @@ def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False):
         def __init__(self, *, model, params, verbose=True):
             params.flash_attn_type = value
             params.n_rs_seq = n_rs_seq
+            if outputs > 1:
+                params.n_seq_max = outputs
+                params.kv_unified = True
             super().__init__(model=model, params=params, verbose=verbose)
 
     class WithOurModelParams(original_model):

@@ -79,7 +79,7 @@ class Loaded:
         remote = self.target
         gone = rpc_workers.unreachable(remote.rpc)
         local = LlamaCppBackend(remote.path, n_ctx=remote.n_ctx, n_threads=remote.n_threads, name=remote.name,
-                                snapshots=remote.memory.snapshots)
+                                snapshots=remote.memory.snapshots, outputs=remote.outputs)
         if gone:
             rpc_workers.abandon(remote)
         else:
@@ -139,7 +139,7 @@ def load(
     target = LlamaCppBackend(
         target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name,
         rpc=rpc, flash_attn=opts.flash_attn, snapshots=min(max(opts.draft_max, 0), MAX_SNAPSHOTS),
-        mtp=selection.draft == MTP,
+        mtp=selection.draft == MTP, outputs=max(opts.draft_max, 0) + 1 if selection.draft is not None else 1,
     )
     try:
         if selection.draft is None:

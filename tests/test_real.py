@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from real_models import GREEDY, TOLERANCE, model_path, prompt_ids_for, run, teacher_forced_gaps
-from specchat.backend import LlamaCppBackend, sync
+from specchat.backend import LlamaCppBackend, outputs_to_reserve, sync
 from specchat.drafters import DraftModel, IncompatibleDraft, PromptLookup
 from specchat.sampling import SamplingParams
 
@@ -158,3 +158,32 @@ def test_flash_attention_setting_reaches_llama_cpp():
     # the same model either way: the kernels differ in accumulation (seen here: up to ~0.8 on a logit)
     assert int(np.argmax(on)) == int(np.argmax(off))
     assert np.corrcoef(on, off)[0, 1] > 0.99
+
+
+def test_a_reserved_target_gives_the_same_logits_and_reserves_only_where_it_pays():
+    """outputs=65 makes gemma's context reserve 65 logits rows at load (llama.cpp would otherwise reallocate
+    its output buffer at each larger verify batch). Only sequence 0 is used and the KV cache is one, so the
+    logits are bit for bit those of a plain context; the sliding-window cache grows with the reservation,
+    so it is made only where that costs no more memory than the rows themselves."""
+    import llama_cpp
+
+    path = model_path("gemma-3-270m")
+    plain = LlamaCppBackend(path, n_ctx=2048, n_threads=2)
+    reserved = LlamaCppBackend(path, n_ctx=2048, n_threads=2, outputs=65)
+    try:
+        assert (plain.reserved_outputs, reserved.reserved_outputs) == (1, 65)
+        assert llama_cpp.llama_n_seq_max(reserved.llm.ctx) == 65 and llama_cpp.llama_n_ctx(reserved.llm.ctx) == 2048
+        ids = plain.tokenize(PROMPTS[1], add_special=True)
+        rows = list(range(len(ids) - 8, len(ids)))
+        np.testing.assert_array_equal(plain.eval(ids, rows).copy(), reserved.eval(ids, rows).copy())
+        batch = [int(t) for t in (ids * 3)[:40]]  # a 40-row verify batch on top: the buffer would grow here
+        np.testing.assert_array_equal(plain.eval(batch, range(40)).copy(), reserved.eval(batch, range(40)).copy())
+    finally:
+        plain.close()
+        reserved.close()
+    # gemma: 18 layers x 512 K+V halves per cell; the window cache grows from 1024 cells to n_ctx
+    assert outputs_to_reserve(path, 65, 4096, 512) == 65  # 3072 cells: 57 MB, under 65 x 1 MiB of rows
+    assert outputs_to_reserve(path, 65, 8192, 512) == 1  # 7168 cells: 132 MB
+    assert outputs_to_reserve(path, 1000, 2048, 512) == 256  # llama.cpp's most sequences
+    assert outputs_to_reserve(path, 1, 4096, 512) == 1
+    assert outputs_to_reserve(model_path("smollm2-135m"), 65, 8192, 512) == 65  # no sliding window

@@ -211,3 +211,26 @@ def test_a_model_that_cannot_be_cut_gets_drafting_off(monkeypatch, tmp_path):
         assert "cannot be cut back" in loaded.memory_line()
     finally:
         loaded.close()
+
+
+@pytest.mark.tiny
+@pytest.mark.parametrize("arch, reserved", [("llama", 17), ("qwen35", 1)])
+def test_a_target_reserves_its_longest_verify_where_that_costs_no_recurrent_states(tmp_path, arch, reserved):
+    """A drafting target reserves the logits rows of its longest verify (--draft-max + 1) at load, through
+    n_seq_max (see backend.outputs_to_reserve); a recurrent or hybrid one would get a state per sequence
+    for it, so it does not; a target that does not draft reserves nothing."""
+    import llama_cpp
+    import tiny_models
+
+    from specchat.config import PROMPT_LOOKUP, load_config
+    from specchat.loader import LoadOptions, Selection, load
+
+    target, _ = tiny_models.write_pair(tmp_path, arch)
+    for draft, expected in ((PROMPT_LOOKUP, reserved), (None, 1)):
+        loaded = load(load_config(), Selection(str(target), draft), LoadOptions(n_ctx=256, n_threads=2, draft_max=16))
+        try:
+            assert loaded.target.reserved_outputs == expected, draft
+            assert llama_cpp.llama_n_seq_max(loaded.target.llm.ctx) == expected
+            assert llama_cpp.llama_n_ctx(loaded.target.llm.ctx) == 256  # one cache, not split per sequence
+        finally:
+            loaded.close()
