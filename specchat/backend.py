@@ -315,8 +315,8 @@ def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
                 elif kind in ints and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
                     values[key] = read(ints[kind])
                 elif kind == 9 and key == b"tokenizer.ggml.tokens":  # the vocabulary: only its size is kept
-                    inner, count = read("I"), read("Q")
-                    n_vocab = count
+                    read("I")  # the element type (strings)
+                    n_vocab = read("Q")
                     f.seek(-12, 1)
                     skip(kind)
                 elif kind == 9 and key.endswith(b".target_layers"):  # an EAGLE-3 head's layer ids
@@ -496,13 +496,13 @@ def outputs_to_reserve(path: Path, outputs: int, n_ctx: int, n_batch: int, swa_f
 
     llama.cpp sizes its output buffer to the largest batch's outputs so far, reallocating it at each
     growth, and every reallocation is fresh memory the next decode faults in: gemma-3-270m's rows are 1 MiB
-    each (262k vocabulary), and a first generation whose drafts grew 8 -> 16 -> 40 -> 48 -> 64 spent
-    100-400 ms more on those decodes than after one reservation (code-editing-1 of the unseen-prompt
-    benchmark, fresh processes: 1032 ms median against 937). The reservation is made through `n_seq_max`,
-    which also sizes two other things: a recurrent model's states (one per sequence, so never there),
-    and a sliding-window cache (n_swa x n_seq_max + n_batch cells, up to n_ctx): reserved only when that
-    growth costs no more memory than the rows themselves (gemma-3-270m at -c 4096: 57 MB for 68 MB of
-    rows; gemma-3-27B would take 1.3 GB, and is left to reallocate)."""
+    each (262k vocabulary), and a first reply whose drafts grew 8 -> 16 -> 40 -> 48 -> 64 took 29-51
+    thousand page faults where one reservation takes 13-18 thousand, 1.055x faster (medians of 6 fresh
+    processes, benchmarks/output_reserve.py). The reservation is made through `n_seq_max`, which also
+    sizes two other things: a recurrent model's states (one per sequence, so never there), and a
+    sliding-window cache (n_swa x n_seq_max + n_batch cells, up to n_ctx). That growth, counting every
+    layer as windowed, may cost no more memory than the rows themselves (gemma-3-270m at -c 4096: 57 MB
+    for 68 MB of rows; gemma-3-27B would take 1.3 GB, and is left to reallocate)."""
     outputs = min(outputs, n_batch, LLAMA_MAX_SEQ)  # a verify batch fits one decode; llama.cpp's limit
     if outputs <= 1:
         return 1
