@@ -12,9 +12,9 @@ its context is created, once.
 Each run is a fresh process (gemma-3-270m, 2 threads, greedy, -n 177, prompt lookup with the adaptive
 policy, the machine's cached cost calibration), as `specchat prompt` runs: `outputs=1` is the old load,
 `outputs=65` the new one. The settings alternate, run by run. Reported: generation seconds (median, and
-the runs), steps, the minor page faults taken while generating (median: memory touched for the first time), and
-whether both settings emitted the same tokens (they may not past gemma's 1024-token window cache: reserved, it is
-the full-size one).
+the runs), steps, the minor page faults taken while generating (median: memory touched for the first
+time), and whether both settings emitted the same tokens (they may not past gemma's 1024-token window
+cache: reserved, it is the full-size one).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ for event in generate(target, PromptLookup(1, 32), ids, SamplingParams(temperatu
 
 
 def run(prompt: str, outputs: int, n: int) -> dict:
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     out = subprocess.run([sys.executable, "-c", RUNNER, MODEL, str(CTX), str(outputs), prompt, str(n)],
-                         capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
-                                                                        "HOME": str(Path.home())})
+                         capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise SystemExit(f"run failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -80,7 +80,8 @@ def main() -> None:
         raise SystemExit(f"unknown prompt ids: {', '.join(unknown)}")
     print(f"# first reply of a fresh process · {MODEL} · 2 threads · greedy · -n {a.n} · prompt lookup, adaptive "
           f"policy · {a.reps} processes per setting, alternating")
-    print(f"{'prompt':<18}{'outputs=1 s':>12}{'outputs=65 s':>14}{'ratio':>8}{'steps':>8}{'faults 1':>10}{'faults 65':>10}  same   runs (1 | 65)")
+    print(f"{'prompt':<18}{'outputs=1 s':>12}{'outputs=65 s':>14}{'ratio':>8}{'steps':>8}{'faults 1':>10}"
+          f"{'faults 65':>10}  same   runs (1 | 65)")
     ratios = []
     for pid in ids:
         runs: dict[int, list[dict]] = {1: [], 65: []}
@@ -91,12 +92,12 @@ def main() -> None:
         new = statistics.median(r["seconds"] for r in runs[65])
         same = all(r["tokens"] == runs[1][0]["tokens"] for r in runs[1] + runs[65])
         ratios.append(old / new)
-        spread = " ".join(f"{r['seconds']:.2f}" for r in runs[1]) + " | " + " ".join(f"{r['seconds']:.2f}" for r in runs[65])
+        spread = " | ".join(" ".join(f"{r['seconds']:.2f}" for r in runs[o]) for o in (1, 65))
         faults = {o: int(statistics.median(r["faults"] for r in runs[o])) for o in runs}
-        print(f"{pid:<18}{old:>12.3f}{new:>14.3f}{old / new:>7.2f}x{runs[65][0]['steps']:>8}{faults[1]:>10}{faults[65]:>10}  "
-              f"{'yes' if same else 'NO':<5}  {spread}")
-    print(f"geometric mean speed-up of the reservation: {statistics.geometric_mean(ratios):.3f}x over {len(ids)} prompts "
-          f"(reserved rows in the new runs: {runs[65][0]['reserved']})")
+        print(f"{pid:<18}{old:>12.3f}{new:>14.3f}{old / new:>7.2f}x{runs[65][0]['steps']:>8}{faults[1]:>10}"
+              f"{faults[65]:>10}  {'yes' if same else 'NO':<5}  {spread}")
+    print(f"geometric mean speed-up of the reservation: {statistics.geometric_mean(ratios):.3f}x over {len(ids)} "
+          f"prompts (reserved rows in the new runs: {runs[65][0]['reserved']})")
 
 
 if __name__ == "__main__":
