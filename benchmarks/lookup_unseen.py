@@ -23,6 +23,12 @@ Per prompt:
 3. Medians over reps. "best" = the llama.cpp drafter with the highest median tok/s; specchat's ratios are
    taken at that drafter's token count. Target-only ratios are at the same count.
 
+Short replies get more reps (`--min-seconds`, `--max-reps`): a fresh process's 100 ms reply varies by +-20%
+from run to run here (92-158 ms for the same 8 tokens), so the median of 3 cannot resolve the 3% that the
+target-only criterion asks about. A prompt runs max(--reps, --min-seconds / its decode time) reps, at most
+--max-reps, with the decode time taken from the untimed counting runs of step 1, so no timed run decides how
+often it is timed; every side (the four drafters, the three settings) gets the same reps.
+
 Cost: per prompt 4 untimed llama.cpp runs + reps x (4 llama.cpp + 3 settings x the distinct token counts,
 usually 3: ngram-simple, ngram-map-k(4v) and ngram-mod overshoot -n by different amounts), ~43 processes at
 --reps 3, a few seconds each on a quiet 2-core machine: about 2.5 h for all 50 prompts (--reps 2: ~1.7 h).
@@ -179,12 +185,22 @@ def specchat_run(*args, **kwargs) -> dict:
     return r
 
 
+def reps_for(first: dict[str, dict], a) -> int:
+    """Timed repetitions for a prompt: enough for about --min-seconds of decoding per setting, judged from
+    the untimed counting runs (see the module doc), between --reps and --max-reps."""
+    seconds = median([r["seconds"] for r in first.values()])
+    if not seconds > 0:
+        return a.max_reps
+    return max(a.reps, min(a.max_reps, math.ceil(a.min_seconds / seconds)))
+
+
 def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str, Path], work: Path) -> dict:
     prompt = row["prompt"]
     llama = lambda t: run_llamacpp(binary, gemma, prompt, n=a.n, threads=a.threads, draft=0, ngram=t,  # noqa: E731
                                    ctx=CTX, ignore_eos=False)
     first = {t: llama(t) for t in DRAFTERS}
     lengths = {t: r["tokens"] for t, r in first.items()}
+    reps = reps_for(first, a)
     ref: dict[str, list[float]] = {t: [] for t in DRAFTERS}
     ours: dict[str, dict[int, list[dict]]] = {m: {n: [] for n in sorted(set(lengths.values()))} for m in MODES}
     extra = {"empty": [], "learned": [], "target": ["--no-spec"]}
@@ -193,7 +209,7 @@ def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str,
             ref[t].append(first[t]["tps"])
         best = max(DRAFTERS, key=lambda t: ref[t][0])
         ours = {m: {lengths[best]: []} for m in MODES}
-    for rep in range(0 if a.single else a.reps):
+    for rep in range(0 if a.single else reps):
         llama_first = (i + rep) % 2 == 0
         modes = list(MODES[(i + rep) % 3:] + MODES[: (i + rep) % 3])  # rotate which setting goes first
         for group in (("llama", "specchat") if llama_first else ("specchat", "llama")):
@@ -219,7 +235,7 @@ def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str,
     n_best = lengths[best]
     result = {"id": row["id"], "kind": row["kind"], "source_id": row.get("source_id"), "lengths": lengths,
               "llama_tps": med, "llama_reps": ref, "best": best, "best_tps": med[best], "n": n_best,
-              "llama_eos": {t: lengths[t] <= a.n for t in DRAFTERS}}
+              "llama_eos": {t: lengths[t] <= a.n for t in DRAFTERS}, "timed_reps": 1 if a.single else reps}
     for m in MODES:
         runs = ours[m][n_best]
         tps = median([r["tps"] for r in runs])
@@ -250,12 +266,12 @@ def print_row(r: dict) -> None:
           f"{r['learned']['tps']:>7.1f}{r['learned']['vs_best']:>6.2f}x"
           f"{r['target']['tps']:>7.1f}{r['empty']['vs_target']:>6.2f}x{r['learned']['vs_target']:>6.2f}x"
           f"  {counts('empty'):>12} {counts('learned'):>12}  {r['empty']['same_as_best']:>3}/{r['n']}"
-          f"{r.get('wall_seconds', 0):>6.0f}s", flush=True)
+          f"{r.get('timed_reps', 0):>5}{r.get('wall_seconds', 0):>6.0f}s", flush=True)
 
 
 HEADER = (f"{'kind':<13}{'id':<17}{'n':>4} {'ours':>4}" + "".join(f"{SHORT[t]:>8}" for t in DRAFTERS) +
           f"  {'best':<8}{'empty':>7}{'/best':>7}{'learned':>7}{'/best':>7}{'target':>7}{'e/tgt':>7}{'l/tgt':>7}"
-          f"  {'empty a/d/s':>12} {'learned a/d/s':>12}  same  wall")
+          f"  {'empty a/d/s':>12} {'learned a/d/s':>12}  same  reps  wall")
 
 
 def summary(results: list[dict]) -> None:
@@ -287,6 +303,9 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=128, help="max tokens per reply (llama.cpp's -n)")
     parser.add_argument("-t", "--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions per prompt (medians)")
+    parser.add_argument("--min-seconds", type=float, default=2.0,
+                        help="more reps for short replies: about this much decoding per setting (see above)")
+    parser.add_argument("--max-reps", type=int, default=15, help="the most reps a short reply gets")
     parser.add_argument("--single", action="store_true",
                         help="one pass: llama.cpp's counting runs are timed, specchat runs once per setting at the "
                              "best drafter's count (7 processes a prompt, ~25 s on a quiet 2-core machine)")
@@ -308,7 +327,8 @@ def main() -> None:
     gemma = resolve(load_config().model(MODEL))
     work = Path(tempfile.mkdtemp(prefix="specchat-unseen-"))
     print(f"llama-cpp-python {llama_cpp_version()} · {MODEL} · threads {a.threads} · -n {a.n} · ctx {CTX} · greedy · "
-          f"no --ignore-eos · {a.reps} interleaved reps · {len(prompts)} prompts · {len(learning)} learning prompts")
+          f"no --ignore-eos · {a.reps} interleaved reps (up to {a.max_reps} for replies under {a.min_seconds:g} s) · "
+          f"{len(prompts)} prompts · {len(learning)} learning prompts")
     print(f"llama.cpp: {binary}; scratch homes under {work}", flush=True)
     t0 = time.perf_counter()
     seed = seed_home(work, a.threads)
@@ -330,7 +350,7 @@ def main() -> None:
             summary(results)
         elapsed = time.perf_counter() - t0
         print(f"\n{elapsed / 60:.1f} min for {len(results)} prompts ({elapsed / max(1, len(results)):.0f} s a prompt "
-              f"with {a.reps} reps, learning set included)")
+              f"with {a.reps}+ reps, learning set included)")
         if a.json_out:
             a.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results},
                                              indent=1, ensure_ascii=False))
