@@ -185,7 +185,7 @@ def main() -> None:
                   + f"{1000 * r['fixed']:>9.1f}{1000 * r['per_token']:>9.2f}"
                   + (f"{1000 * extra:>+11.1f}" if r["label"] != "local" else f"{'':>11}")
                   + "   " + "/".join(f"{1000 * c:.0f}" for c in r["policy"]) + f"   {r['where']}")
-        print(f"\n## decoding (generation tok/s, geometric mean over prompts; ratio to plain in the same placement; tau)")
+        print("\n## decoding (generation tok/s, geometric mean over prompts; ratio to plain in the same placement; tau)")
         print(f"{'placement':<10}{'plain':>9}{'lookup k=' + str(a.k):>24}{'policy':>24}")
         for r in rows:
             s, t = r["speeds"], r["taus"]
