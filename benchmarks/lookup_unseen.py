@@ -241,6 +241,9 @@ def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str,
         tps = median([r["tps"] for r in runs])
         mid = sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]  # the median run's counts
         result[m] = {"tps": tps, "reps": [r["tps"] for r in runs], "tokens": mid["tokens"],
+                     # every run's counts, in run order: the policy's choices can differ between processes
+                     # (it learns batch costs from the clock), and the text can part at a near-tie
+                     "runs": [{k: r[k] for k in ("tps", "tokens", "accepted", "drafted", "steps")} for r in runs],
                      "accepted": mid["accepted"], "drafted": mid["drafted"], "steps": mid["steps"],
                      "finish_reason": mid["finish_reason"], "draft_lengths": mid.get("draft_lengths"),
                      "same_as_best": same_tokens(mid["pieces"], first[best]["text"]),
