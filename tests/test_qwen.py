@@ -59,7 +59,9 @@ def test_greedy_with_the_real_draft_is_the_targets_choice(target, draft):
     for text in CODE_PROMPTS:
         prompt_ids = prompt_ids_for(target, text)
         finished, tokens = run(target, drafter, prompt_ids, GREEDY, k=4, max_tokens=40)
-        assert len(finished.token_ids) >= 20
+        # a whole reply or 40 tokens: where the model ends a short answer depends on the build's numerics
+        # ("...is an unordered collection of key-value pairs." ends at 12 tokens on an AVX-512 build)
+        assert finished.finish_reason == "eog" and len(finished.token_ids) >= 8 or len(finished.token_ids) == 40
         gaps = teacher_forced_gaps(target, prompt_ids, finished.token_ids)
         assert gaps.max() <= TOLERANCE, f"{text[:30]}: token {int(gaps.argmax())} is {gaps.max():.3f} below the best"
         assert finished.stats.rollback_recoveries == 0
