@@ -73,6 +73,17 @@ HISTORY_FIRST = 4
 # llama.cpp's ngram-simple drafts 48 tokens on.
 FRESH_FIRST = 7
 FRESH_TRUSTED = 12
+# Until this reply has copied (a lookup token came true that continued a match of at least this many
+# tokens), a match shorter than this drafts nothing from the conversation: its proposal is still checked
+# against what the target emits, for free, and a hit grows the match past the bar. A reply that copies
+# nothing has only chance matches of a token, and a short one ends before its own misses outweigh the
+# priors: where a batch of 2-4 costs little more than one token (2 AVX-512 cores), maths-4's 8-token reply
+# sent 9 drafts of 1-3-token matches, 1 accepted: 0.89x of target-only. A reply that copies loses a step.
+# Replayed at that machine's costs (benchmarks/lookup_replay.py), against llama.cpp's n-gram drafters: the
+# 40 evaluation prompts 1.32x either way, worst 0.94x -> 1.01x (maths-4; of target-only 0.96x -> 1.04x);
+# the 16 learning prompts 1.27x either way (learned 1.28x -> 1.27x). A bar of 3 or more cost 1-4% overall
+# and put one prompt at 0.92x with learned state.
+UNCOPIED_MIN = 2
 # Inside a copied span whose match is at least SPAN_LONG tokens, a draft the estimates chose to send may
 # run to SPAN_FACTOR times the match length, at the batch size that costs least per token (SuffixDecoding,
 # Oliaro et al. 2024, sizes drafts by the match length the same way). A long copy tends to go on, and its
@@ -507,6 +518,7 @@ class LookupAcceptance:
         self.hits = np.zeros(shape)
         self.tries = np.zeros(shape)
         self.after_miss = True  # the run's first lookup token is a fresh match
+        self.copied = False  # whether a lookup token has come true in this reply (see UNCOPIED_MIN)
         # how the earlier occurrences of the current proposal's n-gram went on: it tells about the
         # proposal's first token only, and goes back to SINGLE once that token is checked
         self.agreement = self.SINGLE
@@ -539,6 +551,7 @@ class LookupAcceptance:
         self.hits[h, s, b], self.tries[h, s, b] = hits, tries
         self._table[h][s][b] = (hits + self.PRIOR_WEIGHT * self._prior[h][s][b]) / (tries + self.PRIOR_WEIGHT)
         self.after_miss = not hit
+        self.copied = self.copied or (hit and match >= UNCOPIED_MIN)
         self.agreement = self.SINGLE
 
     def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
@@ -800,6 +813,8 @@ class LookupPolicy(AdaptivePolicy):
     def _lookup_best(self, match: int, n_tokens: int, history: bool) -> tuple[int, float]:
         if history:  # another conversation's text earns its length in this one (see HISTORY_FIRST)
             n_tokens = min(n_tokens, self.history_earned)
+        elif match < UNCOPIED_MIN and not self.lookup.copied:
+            return 0, 0.0  # a chance match in a reply that has copied nothing yet (see UNCOPIED_MIN)
         elif match < FRESH_TRUSTED and self.lookup.fresh():
             n_tokens = min(n_tokens, FRESH_FIRST)
         n, rate = best_length(self.lookup.rates(match, n_tokens, history), self.verify_cost, 0.0, self.overhead,
@@ -814,6 +829,10 @@ class LookupPolicy(AdaptivePolicy):
 
     def plan(self, limit: int) -> int:
         return max(0, min(limit, self.draft_max))  # lookup's proposal is free: look first, decide in trim
+
+    def finish(self) -> None:
+        self.lookup.copied = False  # the next reply shows for itself whether it copies (see UNCOPIED_MIN)
+        super().finish()
 
     def _why_not(self) -> str:
         if not self._matched:

@@ -22,6 +22,7 @@ from specchat.policy import (
     SPAN_FACTOR,
     SPAN_LONG,
     SPAN_MAX,
+    UNCOPIED_MIN,
     best_length,
     AcceptanceStore,
     DraftModelPolicy,
@@ -669,6 +670,31 @@ def test_a_long_copy_is_drafted_as_far_as_its_match_earns_at_the_cheapest_batch(
     policy = LookupPolicy(CostModel(cheap64.sizes, [x / 1000 for x in cheap64.seconds], measured=True), draft_max=64)
     policy.lookup.after_miss = False
     assert policy.trim(Draft(tokens, match_len=32)) == SPAN_MAX == 47
+
+
+def test_a_reply_that_has_copied_nothing_does_not_draft_a_one_token_match():
+    """Until a lookup token continuing a match of UNCOPIED_MIN+ tokens has come true in this reply, a shorter
+    match drafts nothing, however cheap the batch (maths-4: 9 drafts of chance matches in an 8-token reply,
+    1 accepted). Its proposal is still checked for free; a hit grows the match past the bar, and the next
+    reply starts over."""
+    assert UNCOPIED_MIN == 2
+    policy = LookupPolicy(CostModel(GPU.sizes, GPU.seconds, measured=True), draft_max=64)
+    tokens = list(range(10, 18))
+    # at a GPU's costs a fresh 1-token match's prior alone would send
+    assert best_length(policy.lookup.rates(1, 7), GPU, 0.0, 0.0, LOOKUP_MARGIN)[0] > 0
+    assert policy.trim(Draft(tokens, match_len=1)) == 0
+    policy.observe(step(0, 0), tokens, tokens[:1])  # the unsent proposal's first token came true
+    assert not policy.lookup.copied  # one right token after a 1-token match is a coin toss, not a copy
+    n = policy.trim(Draft(tokens[1:], match_len=2))  # the match it grew is past the bar
+    assert n > 0
+    policy.observe(step(n, n), tokens[1:], tokens[1 : n + 2])
+    assert policy.lookup.copied
+    assert policy.trim(Draft(tokens, match_len=1)) > 0  # this reply copies: a short match may draft
+    policy.finish()
+    assert policy.trim(Draft(tokens, match_len=1)) == 0  # the next reply shows for itself
+    # a miss teaches nothing about copying: the bar stays
+    policy.observe(step(0, 0), tokens, [99])
+    assert policy.trim(Draft(tokens, match_len=1)) == 0
 
 
 def test_a_short_fresh_match_sends_a_few_tokens_however_good_its_record():
