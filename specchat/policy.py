@@ -76,9 +76,10 @@ FRESH_TRUSTED = 12
 # Until this reply has copied (a lookup token came true that continued a match of at least this many
 # tokens), a match shorter than this drafts nothing from the conversation: its proposal is still checked
 # against what the target emits, for free, and a hit grows the match past the bar. A reply that copies
-# nothing has only chance matches of a token, and a short one ends before its own misses outweigh the
-# priors: where a batch of 2-4 costs little more than one token (2 AVX-512 cores), maths-4's 8-token reply
-# sent 9 drafts of 1-3-token matches, 1 accepted: 0.89x of target-only. A reply that copies loses a step.
+# nothing has only chance matches, and a short one ends before its own misses outweigh the priors: where a
+# batch of 2-4 costs little more than one token (2 AVX-512 cores), maths-4's 8-token reply sent 9 draft
+# tokens of 1-3-token matches, 1 accepted: 0.89x of target-only (with the bar: 5, 0.98-0.99x in two full
+# runs). A reply that copies loses a step.
 # Replayed at that machine's costs (benchmarks/lookup_replay.py), against llama.cpp's n-gram drafters: the
 # 40 evaluation prompts 1.32x either way, worst 0.94x -> 1.01x (maths-4; of target-only 0.96x -> 1.04x);
 # the 16 learning prompts 1.27x either way (learned 1.28x -> 1.27x). A bar of 3 or more cost 1-4% overall
@@ -518,7 +519,7 @@ class LookupAcceptance:
         self.hits = np.zeros(shape)
         self.tries = np.zeros(shape)
         self.after_miss = True  # the run's first lookup token is a fresh match
-        self.copied = False  # whether a lookup token has come true in this reply (see UNCOPIED_MIN)
+        self.copied = False  # whether this reply has copied: a hit continuing a match of UNCOPIED_MIN+ tokens
         # how the earlier occurrences of the current proposal's n-gram went on: it tells about the
         # proposal's first token only, and goes back to SINGLE once that token is checked
         self.agreement = self.SINGLE
