@@ -242,8 +242,12 @@ def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str,
         mid = sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]  # the median run's counts
         result[m] = {"tps": tps, "reps": [r["tps"] for r in runs], "tokens": mid["tokens"],
                      # every run's counts, in run order: the policy's choices can differ between processes
-                     # (it learns batch costs from the clock), and the text can part at a near-tie
-                     "runs": [{k: r[k] for k in ("tps", "tokens", "accepted", "drafted", "steps")} for r in runs],
+                     # (it learns batch costs from the clock), and the text can part at a near-tie: `same` is
+                     # how many tokens of the best drafter's text the run's starts with, and a run whose text
+                     # is not the median run's keeps its own
+                     "runs": [{**{k: r[k] for k in ("tps", "tokens", "accepted", "drafted", "steps")},
+                               "same": same_tokens(r["pieces"], first[best]["text"]),
+                               **({"text": r["text"]} if r["text"] != mid["text"] else {})} for r in runs],
                      "accepted": mid["accepted"], "drafted": mid["drafted"], "steps": mid["steps"],
                      "finish_reason": mid["finish_reason"], "draft_lengths": mid.get("draft_lengths"),
                      "same_as_best": same_tokens(mid["pieces"], first[best]["text"]),
