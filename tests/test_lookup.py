@@ -674,7 +674,7 @@ def test_a_long_copy_is_drafted_as_far_as_its_match_earns_at_the_cheapest_batch(
 
 def test_a_reply_that_has_copied_nothing_does_not_draft_a_one_token_match():
     """Until a lookup token continuing a match of UNCOPIED_MIN+ tokens has come true in this reply, a shorter
-    match drafts nothing, however cheap the batch (maths-4: 9 drafts of chance matches in an 8-token reply,
+    match drafts nothing, however cheap the batch (maths-4: 9 draft tokens of chance matches in an 8-token reply,
     1 accepted). Its proposal is still checked for free; a hit grows the match past the bar, and the next
     reply starts over."""
     assert UNCOPIED_MIN == 2
