@@ -256,6 +256,16 @@ ORDER = 4  # n-grams up to this length are indexed; longer matches extend a 4-gr
 # (the one the reply was copying) and cost 2-13% of the speed on 4 of 16 replayed prompts; with 4,
 # state learned from other prompts was never slower than an empty cache in total (lookup_replay.py).
 HISTORY_LEAD = 4
+# ... and only a match of at least this many tokens is followed there at all: a shorter one in another
+# conversation's text is a common phrase, not a copy. Replayed on the 40 evaluation prompts with the 16
+# learning replies as the history (benchmarks/lookup_replay.py), history drafts of shorter matches kept 8
+# of 30 tokens sent (the other way round: 3 of 30), those of 8+ kept 15 of 25 (10 of 16). The bar left the
+# geometric means as they were (1.33x / 1.27x -> 1.33x / 1.28x of llama.cpp's n-gram drafters) and lifted
+# the worst 32-token reply from 0.95x to 0.97x of target-only. In real runs of qa-context-1, a history
+# draft of a match under 4 tokens early in the reply changed its batches, and with them (batched logits
+# differ a little) the reply: it parted from the one an empty cache writes, and ran 0.68-0.81x of
+# llama.cpp's best drafter where the empty cache's ran 0.92x.
+HISTORY_MIN = 8
 CANDIDATES = 16  # the latest occurrences of the tail's n-gram that are compared: a step's cost is bounded
 
 
@@ -477,7 +487,8 @@ class PromptLookup:
     The evidence goes with the draft for the policy to weigh: the match length (a 24-token match predicts
     a long accepted run, a 1-token one hardly anything), how often the continuation held before (`agree`
     of `seen`), and whether the match is in this conversation or in earlier replies (`history`, searched
-    too: used where the context has no match, or one shorter by more than HISTORY_LEAD). The context is
+    too: used where the context has no match, or one shorter by more than HISTORY_LEAD, and only from
+    HISTORY_MIN tokens on). The context is
     indexed as it grows (NgramIndex), so a step costs the same however long the conversation is."""
 
     kind = "prompt-lookup"
@@ -522,7 +533,8 @@ class PromptLookup:
                 tokens += tokens[: k - len(tokens)]
         if self.history is not None and match.length < self.max_ngram:
             h_tokens, h_match = self.history.find(tail, k, self.max_ngram)
-            if h_match.length > (match.length + HISTORY_LEAD if match.length else 0) and h_tokens:
+            if (h_match.length > (match.length + HISTORY_LEAD if match.length else 0) and h_tokens
+                    and h_match.length >= HISTORY_MIN):
                 tokens, match = h_tokens, h_match
                 self.last_from_history = True
         self.last = match

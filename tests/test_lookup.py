@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specchat.drafters import (
-    CANDIDATES, HISTORY_LEAD, ORDER, Draft, FrozenNgramIndex, HybridDrafter, NgramHistory, NgramIndex, PromptLookup, find_match,
+    CANDIDATES, HISTORY_LEAD, HISTORY_MIN, ORDER, Draft, FrozenNgramIndex, HybridDrafter, NgramHistory, NgramIndex, PromptLookup, find_match,
 )
 from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
@@ -149,21 +149,25 @@ def test_matches_across_turns_of_a_conversation():
 
 
 def test_history_match_wins_only_when_longer_by_a_lead_and_stops_at_the_reply_end():
-    assert HISTORY_LEAD == 4
-    history = NgramHistory([[30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44], [60, 61, 62]])
+    assert HISTORY_LEAD == 4 and HISTORY_MIN == 8
+    history = NgramHistory([list(range(30, 45)), [60, 61, 62]])
     lookup = PromptLookup(1, 32, history=history)
-    # the context has a 1-token match for 42; the history a 7-token one (36..42): more than 4 longer, it wins
+    # the context has a 1-token match for 42; the history a 9-token one (34..42): more than 4 longer, it wins
+    tokens, length = lookup.find([42, 99, 34, 35, 36, 37, 38, 39, 40, 41, 42], 8)
+    assert (tokens, length) == ([43, 44], 9) and lookup.last_from_history  # cut at the end of the reply
+    # a 7-token one (36..42) is long enough to win over the context's 1-token match, but not to be followed
+    # at all: the context's own continuation stays
     tokens, length = lookup.find([42, 99, 36, 37, 38, 39, 40, 41, 42], 8)
-    assert (tokens, length) == ([43, 44], 7) and lookup.last_from_history  # cut at the end of the reply
-    # a 3-token one (40, 41, 42) is not enough: the context's own continuation stays
-    tokens, length = lookup.find([42, 99, 40, 41, 42], 8)
     assert length == 1 and tokens[0] == 99 and not lookup.last_from_history
     # as long in the context: the context wins (it is this conversation)
     tokens, length = lookup.find([61, 62, 7, 61, 62], 4)
     assert (tokens, length) == ([7, 61, 62, 7], 2) and not lookup.last_from_history  # around the loop
-    # nothing in the context: any history match is used (40, 41, 42: 3 tokens)
-    draft = lookup.propose([1, 40, 41, 42], 4, GREEDY, np.random.default_rng(0))
-    assert draft.source == "history" and draft.tokens == [43, 44]
+    # nothing in the context: a history match of HISTORY_MIN tokens is used (35..42: 8 tokens) ...
+    draft = lookup.propose([1, 35, 36, 37, 38, 39, 40, 41, 42], 4, GREEDY, np.random.default_rng(0))
+    assert draft.source == "history" and draft.tokens == [43, 44] and draft.match_len == 8
+    # ... a shorter one is not (36..42: 7 tokens; 40, 41, 42: 3): it is a common phrase, not a copy
+    for context in ([1, 36, 37, 38, 39, 40, 41, 42], [1, 40, 41, 42]):
+        assert lookup.find(context, 4) == ([], 0) and not lookup.last_from_history
     # the separator never matches, so a reply's first token cannot continue the one before it
     assert history.find([44], 4, 32)[0] == []
 
@@ -181,13 +185,13 @@ def test_replies_saved_by_a_report_and_transcripts_feed_the_history(tmp_path, mo
         json.dumps({"role": "user", "content": "hi"}) + "\n"
         + "not json\n" + json.dumps({"role": "assistant", "content": 5}) + "\n"  # skipped, not fatal
         + json.dumps({"role": "assistant", "content": "abcab"}) + "\n", encoding="utf-8")
-    assert save_replies(["cdecd", ""], target="t") is not None
-    assert sorted(earlier_replies()) == ["abcab", "cdecd"]
+    assert save_replies(["qrstuvwxyz", ""], target="t") is not None
+    assert sorted(earlier_replies()) == ["abcab", "qrstuvwxyz"]
     target = FakeBackend(lambda ctx: np.zeros(26), 26)  # one letter per token
     history = reply_history(target)
     lookup = PromptLookup(1, 32, history=history)
-    # "xxcd" -> the saved report reply "cdecd" continues after "cd" with "ecd"
-    assert lookup.find(target.tokenize("xxcd", add_special=False), 3) == (target.tokenize("ecd", add_special=False), 2)
+    # "qrstuvwx" (HISTORY_MIN tokens) -> the saved report reply "qrstuvwxyz" goes on with "yz", where it ends
+    assert lookup.find(target.tokenize("qrstuvwx", add_special=False), 3) == (target.tokenize("yz", add_special=False), 8)
 
 
 def test_no_history_files_means_no_history(tmp_path, monkeypatch):
