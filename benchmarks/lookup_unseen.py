@@ -39,6 +39,15 @@ excludes model load and prefill, like llama.cpp's `decoded ... in ... seconds`, 
 its end-of-generation token on both sides, as llama.cpp's `decoded` count does.
 
 To work on the policy, lookup_replay.py replays the same prompts on fixed replies, without the noise.
+
+--batch-invariant: a greedy text can part from another at a near-tie, because llama.cpp's CPU kernels for a
+batch of tokens round differently from those for one token, and from there the two tools time different
+texts. This runs both sides on a llama.cpp built so that a batch's logits are bit for bit a single token's:
+built from the same source with GGML_LLAMAFILE=OFF and GGML_CPU_REPACK=OFF (into the cache dir's
+build-invariant/, once), run with GGML_CPU_TILED_MM_FORCE=1 and flash attention off; specchat loads that
+build's libllama through LLAMA_CPP_LIB_PATH. Every greedy text is then the target's own, so the two tools time
+the same text. Single tokens decode more slowly there than on the default build (the tiled kernel is made
+for batches), so its ratios are not a user's: it is the drafters that it compares.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ SHORT = {"ngram-simple": "simple", "ngram-map-k": "map-k", "ngram-map-k4v": "map
 MODES = ("empty", "learned", "target")
 CTX = 4096
 MODEL = "gemma-3-270m"
+INVARIANT = "build-invariant"  # --batch-invariant's llama.cpp build, next to vs_llamacpp.build's build/
 
 
 def load_prompts(path: Path, kinds: list[str] | None, limit: int | None) -> list[dict]:
@@ -115,18 +125,19 @@ def env_for(home: Path) -> dict:
     return {**os.environ, "SPECCHAT_HOME": str(home), "PYTHONPATH": str(ROOT)}
 
 
-def seed_home(work: Path, threads: int) -> Path:
+def seed_home(work: Path, threads: int, common: list[str], own_costs: bool = True) -> Path:
     """A SPECCHAT_HOME holding only this machine's cost calibration for gemma at these threads: the
-    machine's costs.json copied in (if any), then one short run that measures whatever is missing."""
+    machine's costs.json copied in (if any and `own_costs`), then one short run that measures whatever is
+    missing."""
     from specchat.paths import cache_dir
 
     home = work / "seed"
     costs = cache_of(home) / "costs.json"
     costs.parent.mkdir(parents=True, exist_ok=True)
     mine = cache_dir() / "costs.json"  # the machine's own (XDG cache, or SPECCHAT_HOME if set)
-    if mine.exists():
+    if mine.exists() and own_costs:
         shutil.copy2(mine, costs)
-    run_specchat(MODEL, "Question: What is 2 + 2?\nAnswer:", n=8, threads=threads, extra=[], env=env_for(home),
+    run_specchat(MODEL, "Question: What is 2 + 2?\nAnswer:", n=8, threads=threads, extra=common, env=env_for(home),
                  ctx=CTX, ignore_eos=True)
     # keep the calibration only: whatever that run learned is not part of an empty cache
     for p in list(home.rglob("*")):
@@ -137,7 +148,7 @@ def seed_home(work: Path, threads: int) -> Path:
     return home
 
 
-def learned_home(work: Path, seed: Path, learning: list[dict], n: int, threads: int) -> Path:
+def learned_home(work: Path, seed: Path, learning: list[dict], n: int, threads: int, common: list[str]) -> Path:
     """The seed plus what the learning set teaches: each learning prompt run with the default policy
     (whatever each run keeps in the cache), then their replies saved to the reply history the way
     `specchat report` saves its replies (`specchat prompt` saves none)."""
@@ -146,7 +157,7 @@ def learned_home(work: Path, seed: Path, learning: list[dict], n: int, threads: 
     texts = []
     t0 = time.perf_counter()
     for r in learning:
-        out = run_specchat(MODEL, r["prompt"], n=n, threads=threads, extra=[], env=env_for(home), ctx=CTX,
+        out = run_specchat(MODEL, r["prompt"], n=n, threads=threads, extra=common, env=env_for(home), ctx=CTX,
                            ignore_eos=False)
         texts.append(out["text"])
     from specchat.history import save_replies
@@ -197,13 +208,13 @@ def reps_for(first: dict[str, dict], a) -> int:
 def run_prompt(i: int, row: dict, a, binary: Path, gemma: Path, homes: dict[str, Path], work: Path) -> dict:
     prompt = row["prompt"]
     llama = lambda t: run_llamacpp(binary, gemma, prompt, n=a.n, threads=a.threads, draft=0, ngram=t,  # noqa: E731
-                                   ctx=CTX, ignore_eos=False)
+                                   ctx=CTX, ignore_eos=False, extra=tuple(a.common))
     first = {t: llama(t) for t in DRAFTERS}
     lengths = {t: r["tokens"] for t, r in first.items()}
     reps = reps_for(first, a)
     ref: dict[str, list[float]] = {t: [] for t in DRAFTERS}
     ours: dict[str, dict[int, list[dict]]] = {m: {n: [] for n in sorted(set(lengths.values()))} for m in MODES}
-    extra = {"empty": [], "learned": [], "target": ["--no-spec"]}
+    extra = {"empty": a.common, "learned": a.common, "target": [*a.common, "--no-spec"]}
     if a.single:  # the counting runs are the timed ones; specchat runs at the best drafter's count only
         for t in DRAFTERS:
             ref[t].append(first[t]["tps"])
@@ -339,6 +350,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="build jobs")
     parser.add_argument("--json", type=Path, dest="json_out", help="save every result here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch SPECCHAT_HOMEs")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="both sides on a llama.cpp build whose batch logits equal single-token ones (see above)")
     parser.add_argument("--summary", type=Path, metavar="JSON",
                         help="print the per-kind and overall summary of a run saved with --json, and run nothing")
     a = parser.parse_args()
@@ -349,16 +362,28 @@ def main() -> None:
     kinds = [k.strip() for k in a.kinds.split(",")] if a.kinds else None
     prompts = load_prompts(a.prompts, kinds, a.limit)
     learning = load_prompts(a.learning, None, a.learn_limit)
-    binary = a.llama_bin or build(a.jobs)
+    a.common = []  # arguments both tools get
+    if a.batch_invariant:
+        binary = a.llama_bin or build(a.jobs, variant=INVARIANT,
+                                      cmake_args=("-DGGML_LLAMAFILE=OFF", "-DGGML_CPU_REPACK=OFF", "-DBUILD_SHARED_LIBS=ON"))
+        # the subprocesses inherit these: specchat loads this build's libllama, and both sides take the
+        # tiled K-quant matmul for every token count, not only for batches of 8 or more as by default (one
+        # kernel for all, so a row's result does not depend on how many rows came with it)
+        os.environ.update(LLAMA_CPP_LIB_PATH=str(binary.parent), GGML_CPU_TILED_MM_FORCE="1")
+        a.common = ["-fa", "off"]
+    else:
+        binary = a.llama_bin or build(a.jobs)
     gemma = resolve(load_config().model(MODEL))
     work = Path(tempfile.mkdtemp(prefix="specchat-unseen-"))
     print(f"llama-cpp-python {llama_cpp_version()} · {MODEL} · threads {a.threads} · -n {a.n} · ctx {CTX} · greedy · "
           f"no --ignore-eos · {a.reps} interleaved reps (up to {a.max_reps} for replies under {a.min_seconds:g} s) · "
-          f"{len(prompts)} prompts · {len(learning)} learning prompts")
+          f"{len(prompts)} prompts · {len(learning)} learning prompts"
+          f"{' · batch-invariant build, -fa off on both sides' if a.batch_invariant else ''}")
     print(f"llama.cpp: {binary}; scratch homes under {work}", flush=True)
     t0 = time.perf_counter()
-    seed = seed_home(work, a.threads)
-    homes = {"empty": seed, "target": seed, "learned": learned_home(work, seed, learning, a.n, a.threads)}
+    # the machine's costs.json holds the default build's costs: the invariant build measures its own
+    seed = seed_home(work, a.threads, a.common, own_costs=not a.batch_invariant)
+    homes = {"empty": seed, "target": seed, "learned": learned_home(work, seed, learning, a.n, a.threads, a.common)}
     print("\ntok/s (medians); n = tokens the best llama.cpp drafter decoded (e: its reply ended), ours = specchat's "
           "(empty) at -n n;\nratios at equal -n; a/d/s = accepted/drafted/steps; same = tokens of specchat's text "
           "the best drafter's text starts with")

@@ -75,12 +75,13 @@ def llama_cpp_version() -> str:
     return importlib.metadata.version("llama-cpp-python")
 
 
-def build(jobs: int, target: str = "llama-speculative-simple") -> Path:
+def build(jobs: int, target: str = "llama-speculative-simple", variant: str = "build",
+          cmake_args: tuple[str, ...] = ()) -> Path:
     """A llama.cpp tool (llama-speculative-simple, llama-bench) from the sdist of the installed
-    llama-cpp-python, built once into the cache dir."""
+    llama-cpp-python, built once into the cache dir: in `build/`, or with `cmake_args` in `variant/`."""
     version = llama_cpp_version()
     work = cache_dir() / f"llama.cpp-{version}"
-    binary = work / "build" / "bin" / target
+    binary = work / variant / "bin" / target
     if binary.exists():
         return binary
     work.mkdir(parents=True, exist_ok=True)
@@ -101,22 +102,23 @@ def build(jobs: int, target: str = "llama-speculative-simple") -> Path:
                 m.name = m.name[len(prefix):]
             tar.extractall(source, members=[m for m in members if m.name], filter="data")
     subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF"],
+        ["cmake", "-S", str(source), "-B", str(work / variant), "-DCMAKE_BUILD_TYPE=Release",
+         "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
+         *cmake_args],
         check=True,
     )
     subprocess.run(
-        ["cmake", "--build", str(work / "build"), "--target", target, f"-j{jobs}"], check=True
+        ["cmake", "--build", str(work / variant), "--target", target, f"-j{jobs}"], check=True
     )
     return binary
 
 
 def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int, draft: int, ngram: bool | str,
-                 ctx: int = 2048, ignore_eos: bool = True) -> dict:
+                 ctx: int = 2048, ignore_eos: bool = True, extra: tuple[str, ...] = ()) -> dict:
     """One greedy llama-speculative-simple run. Without ignore_eos it stops at an end-of-generation token:
     its `decoded` count then includes that token (and any accepted draft tokens after it in the step)."""
     args = [str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads), "-c", str(ctx),
-            "--temp", "0", "--top-k", "1", "-s", "1", "-ngl", "0", *(["--ignore-eos"] if ignore_eos else [])]
+            "--temp", "0", "--top-k", "1", "-s", "1", "-ngl", "0", *(["--ignore-eos"] if ignore_eos else []), *extra]
     if isinstance(ngram, str):
         args += ["--spec-type", ngram]  # its own defaults (ngram-simple: 12-gram lookup, up to 48 drafted)
     elif ngram:
