@@ -265,7 +265,8 @@ HISTORY_LEAD = 4
 # draft of a match under 4 tokens early in the reply changed its batches, and with them (batched logits
 # differ a little) the reply: it parted from the one an empty cache writes, and ran 0.68-0.81x of
 # llama.cpp's best drafter where the empty cache's ran 0.92x. (Both part from llama.cpp's text at its fourth
-# token, so that prompt still passes or fails by chance: docs/benchmarks.md.)
+# token, so on the default build that prompt times another text than llama.cpp's; on a build whose batches
+# compute what single tokens do, the texts agree and it runs 1.26x: docs/benchmarks.md, "Texts pinned".)
 HISTORY_MIN = 8
 CANDIDATES = 16  # the latest occurrences of the tail's n-gram that are compared: a step's cost is bounded
 
