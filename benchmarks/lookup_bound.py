@@ -39,7 +39,8 @@ from specchat.config import load_config  # noqa: E402
 from specchat.drafters import NgramHistory, PromptLookup  # noqa: E402
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.paths import cache_dir  # noqa: E402
-from specchat.policy import CostModel, FixedPolicy, LookupPolicy, cached_cost_model  # noqa: E402
+from specchat.costs import CostModel, cached_cost_model  # noqa: E402
+from specchat.policy import FixedPolicy, LookupPolicy
 from specchat.report import load_prompts  # noqa: E402
 from specchat.sampling import SamplingParams  # noqa: E402
 from specchat.sources import resolve  # noqa: E402

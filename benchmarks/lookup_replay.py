@@ -42,7 +42,8 @@ from specchat.config import load_config  # noqa: E402
 from specchat.drafters import NgramHistory  # noqa: E402
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.paths import cache_dir  # noqa: E402
-from specchat.policy import CostModel, FixedPolicy, cached_cost_model  # noqa: E402
+from specchat.costs import CostModel, cached_cost_model  # noqa: E402
+from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams  # noqa: E402
 from specchat.sources import resolve  # noqa: E402
 

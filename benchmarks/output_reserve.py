@@ -39,7 +39,8 @@ from specchat.config import load_config
 from specchat.drafters import PromptLookup
 from specchat.engine import Finished, generate
 from specchat.paths import cache_dir
-from specchat.policy import DRAFT_MAX, LookupPolicy, cached_cost_model
+from specchat.costs import cached_cost_model
+from specchat.policy import DRAFT_MAX, LookupPolicy
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
 model, ctx, outputs, prompt, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])

@@ -890,7 +890,8 @@ import specchat.cli  # everything the CLI loads before a model
 from fakes import FakeBackend, markov_logits
 from specchat.drafters import PromptLookup
 from specchat.engine import generate
-from specchat.policy import LookupPolicy, reference_cost_model
+from specchat.costs import reference_cost_model
+from specchat.policy import LookupPolicy
 from specchat.sampling import SamplingParams
 table = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32) * 3
 before = set(sys.modules)

@@ -33,7 +33,7 @@ from fakes import CHATML, FakeBackend
 from specchat import chat, transcript, ui
 from specchat.drafters import PromptLookup
 from specchat.loader import Loaded
-from specchat.policy import CostModel
+from specchat.costs import CostModel
 from specchat.runner import Terminated
 
 N_VOCAB = 128

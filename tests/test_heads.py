@@ -392,7 +392,8 @@ def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_pat
     """make_policy measures the head (cached apart from the target: same file, another cost) and the
     draft-model policy learns its per-token cost from the steps."""
     from specchat.loader import Loaded
-    from specchat.policy import cost_cache_key, make_policy
+    from specchat.costs import cost_cache_key
+    from specchat.policy import make_policy
 
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
     path, _ = mtp_files

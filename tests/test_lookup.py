@@ -13,8 +13,8 @@ from specchat.drafters import (
 )
 from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
+from specchat.costs import CALIBRATION_SIZES, CostModel
 from specchat.policy import (
-    CALIBRATION_SIZES,
     FRESH_FIRST,
     FRESH_TRUSTED,
     HISTORY_FIRST,
@@ -28,7 +28,6 @@ from specchat.policy import (
     DraftModelPolicy,
     HybridPolicy,
     LookupPolicy,
-    CostModel,
     FixedPolicy,
     LookupAcceptance,
     match_bucket,

@@ -9,20 +9,22 @@ import pytest
 
 from specchat.drafters import Draft, PromptLookup
 from specchat.engine import Finished, generate
-from specchat.policy import (
-    DRAFT_MARGIN,
-    LOOKUP_MARGIN,
-    DraftModelPolicy,
-    LookupPolicy,
+from specchat.costs import (
     CostModel,
-    LOOKUP_BUCKETS,
-    FixedPolicy,
-    best_length,
     CALIBRATION_BUDGET,
     CALIBRATION_REPS,
     CALIBRATION_SIZES,
     cached_cost_model,
     cost_cache_key,
+)
+from specchat.policy import (
+    DRAFT_MARGIN,
+    LOOKUP_MARGIN,
+    DraftModelPolicy,
+    LookupPolicy,
+    LOOKUP_BUCKETS,
+    FixedPolicy,
+    best_length,
 )
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
@@ -276,7 +278,7 @@ def test_calibration_keeps_the_fastest_timing_of_each_size(monkeypatch):
         return real_eval(tokens, logits_at)
 
     monkeypatch.setattr(backend, "eval", eval_)
-    monkeypatch.setattr("specchat.policy.time.perf_counter", lambda: clock["now"])
+    monkeypatch.setattr("specchat.costs.time.perf_counter", lambda: clock["now"])
     model = CostModel.measure(backend, budget=60.0)
     assert CALIBRATION_REPS >= 2
     assert model.sizes == list(CALIBRATION_SIZES)

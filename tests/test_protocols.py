@@ -14,8 +14,8 @@ from fakes import FakeBackend, ScriptedDrafter, make_draft_model
 from specchat import cli, options
 from specchat.backend import Backend, VocabInfo
 from specchat.drafters import Drafter, HybridDrafter, PromptLookup
-from specchat.policy import (CostModel, DraftModelPolicy, FixedPolicy, HybridPolicy, LookupPolicy, Policy,
-                             make_policy)
+from specchat.costs import CostModel
+from specchat.policy import DraftModelPolicy, FixedPolicy, HybridPolicy, LookupPolicy, Policy, make_policy
 
 COST = CostModel([1, 2], [0.01, 0.02])
 

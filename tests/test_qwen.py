@@ -97,7 +97,7 @@ def test_600_tokens_with_rollbacks_on_both_caches(target, draft):
 
 def test_the_policy_measures_the_draft_models_cost():
     from specchat.paths import cache_dir
-    from specchat.policy import cost_cache_key
+    from specchat.costs import cost_cache_key
 
     config = load_config()
     loaded = load(config, Selection(TARGET, DRAFT), LoadOptions(n_ctx=1024, n_threads=2))

@@ -15,7 +15,8 @@ from fakes import ALPHA, CHATML, FakeBackend, chi2_pvalue, first_two_emitted, ma
 import specchat
 from specchat.backend import BackendError
 from specchat.engine import Finished, TokenEvent, generate
-from specchat.policy import CostModel, DraftModelPolicy, FixedPolicy, best_length
+from specchat.costs import CostModel
+from specchat.policy import DraftModelPolicy, FixedPolicy, best_length
 from specchat.sampling import SamplingParams, process
 from specchat.stats import StepStats
 

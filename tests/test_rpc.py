@@ -277,7 +277,7 @@ def test_greedy_reply_over_rpc_is_the_targets_and_the_worker_did_the_work(worker
 def test_cost_model_is_keyed_per_endpoint_set():
     from types import SimpleNamespace
 
-    from specchat.policy import cost_cache_key
+    from specchat.costs import cost_cache_key
 
     import hashlib
 
