@@ -49,7 +49,7 @@ import llama_cpp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specchat  # noqa: E402
-from specchat.drafters import PromptLookup  # noqa: E402
+from specchat.lookup import PromptLookup  # noqa: E402
 from specchat.policy import FixedPolicy  # noqa: E402
 
 CODE_PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping intervals, "

@@ -43,10 +43,11 @@ N_PROMPT = 600
 RUNNER = r"""
 import json, sys, time
 from specchat.config import load_config
-from specchat.drafters import PromptLookup
+from specchat.lookup import PromptLookup
 from specchat.engine import generate, Finished
 from specchat.loader import LoadOptions, Selection, load
-from specchat.policy import FixedPolicy, make_policy
+from specchat.policy import FixedPolicy
+from specchat.loader import make_policy
 from specchat.sampling import SamplingParams
 target, draft, mode, prompt, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 drafter_ref = None if mode == "target" else ("prompt-lookup" if mode.startswith("lookup") else draft)

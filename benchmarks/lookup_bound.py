@@ -6,7 +6,7 @@
 For each prompt the target's greedy reply is decoded once (target-only, a real run). Then, on that token
 stream, with the batch costs this machine measured (the policy's cost cache) and a fixed per-step overhead:
 
-- policy: the real LookupPolicy and PromptLookup step by step. A step costs the measured cost of its
+- policy: the real AdaptivePolicy and PromptLookup step by step. A step costs the measured cost of its
   batch; its drafts are accepted as far as they match the reply. Estimates are carried from prompt to
   prompt as `specchat prompt` carries them, after one warm-up pass over every prompt (a process that has
   seen the prompts before, as in the benchmarks).
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specchat.backend import LlamaCppBackend  # noqa: E402
 from specchat.config import load_config  # noqa: E402
-from specchat.drafters import NgramHistory, PromptLookup  # noqa: E402
+from specchat.lookup import NgramHistory, PromptLookup  # noqa: E402
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.paths import cache_dir  # noqa: E402
 from specchat.costs import CostModel, cached_cost_model  # noqa: E402
-from specchat.policy import FixedPolicy, LookupPolicy
+from specchat.policy import AdaptivePolicy, FixedPolicy
 from specchat.report import load_prompts  # noqa: E402
 from specchat.sampling import SamplingParams  # noqa: E402
 from specchat.sources import resolve  # noqa: E402
@@ -80,48 +80,34 @@ def bound_seconds(props, reply: list[int], cost: CostModel, overhead: float) -> 
     return best[0]
 
 
-def replay_seconds(prompt: list[int], reply: list[int], cost: CostModel, overhead: float, policy,
+def replay_seconds(prompt: list[int], reply: list[int], cost: CostModel, overhead: float, fixed: int | None = None,
                    history: NgramHistory | None = None) -> float:
-    """The policy's time on this reply: the engine's plan / propose / trim / observe loop, each step billed
-    at the measured cost of its batch. `history`: earlier replies lookup may copy from."""
+    """The policy's time on this reply (the adaptive one, or a fixed k): the engine's draft / observe loop,
+    each step billed at the measured cost of its batch. `history`: earlier replies lookup may copy from."""
     lookup = PromptLookup(1, 32, history=history)
+    policy = FixedPolicy(fixed) if fixed is not None else ReplayedPolicy(lookup, cost, overhead)
     context, i, seconds = list(prompt), 0, 0.0
     lookup.prefill(context)
+    greedy = SamplingParams(temperature=0.0)
     while i < len(reply):
-        k = policy.plan(len(reply) - i - 1)
-        tokens, match = lookup.find(context, k) if k > 0 else ([], 0)
-        n_send = policy.trim(lookup.draft(tokens, match)) if tokens else 0
-        drafts = tokens[:n_send]
+        drafts = policy.draft(lookup, context, len(reply) - i - 1, greedy, None).tokens
         accepted = agreeing(drafts, reply, i)
         emitted = reply[i : i + accepted + 1]
         step_seconds = cost(len(drafts) + 1)
         seconds += step_seconds + overhead
         policy.observe(StepStats(step=0, drafted=len(drafts), accepted=accepted, emitted=len(emitted),
-                                 draft_seconds=0.0, verify_seconds=step_seconds, planned=k), tokens, emitted)
+                                 draft_seconds=0.0, verify_seconds=step_seconds), emitted)
         context += emitted
         i += len(emitted)
+    policy.finish()
     return seconds
 
 
-class MemoryStore:
-    """AcceptanceStore's load/save in memory: what one replayed run leaves, the next one starts from
-    (discounted by the policy itself, as between processes)."""
+class ReplayedPolicy(AdaptivePolicy):
+    """The adaptive policy with a fixed per-step overhead (a replay has no wall clock to learn it from)."""
 
-    def __init__(self) -> None:
-        self.tables: dict[str, dict] = {}
-
-    def load(self) -> dict[str, dict]:
-        return self.tables
-
-    def save(self, tables: dict[str, dict]) -> None:
-        self.tables = tables
-
-
-class ReplayedLookupPolicy(LookupPolicy):
-    """LookupPolicy with a fixed per-step overhead (a replay has no wall clock to learn it from)."""
-
-    def __init__(self, cost: CostModel, overhead: float, store: MemoryStore):
-        super().__init__(CostModel(cost.sizes, cost.seconds, measured=True), draft_max=64, store=store)
+    def __init__(self, lookup: PromptLookup, cost: CostModel, overhead: float):
+        super().__init__(lookup, CostModel(cost.sizes, cost.seconds, measured=True), draft_max=64)
         self.overhead = overhead
 
     def _observe_overhead(self, step: StepStats) -> None:
@@ -168,18 +154,11 @@ def main() -> None:
             replies.append(finished.token_ids)
         target.close()
 
-        store = MemoryStore()
-        for (_, prompt), reply in zip(cases, replies):  # warm-up: estimates as a seen-before process has them
-            policy = ReplayedLookupPolicy(cost, overhead, store)
-            replay_seconds(prompt, reply, cost, overhead, policy)
-            policy.finish()
         ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for (cat, prompt), reply in zip(cases, replies):
             plain = len(reply) * (cost(1) + overhead)
-            policy = ReplayedLookupPolicy(cost, overhead, store)
-            ratios[cat]["policy"].append(plain / replay_seconds(prompt, reply, cost, overhead, policy))
-            policy.finish()
-            fixed = replay_seconds(prompt, reply, cost, overhead, FixedPolicy(8))
+            ratios[cat]["policy"].append(plain / replay_seconds(prompt, reply, cost, overhead))
+            fixed = replay_seconds(prompt, reply, cost, overhead, fixed=8)
             ratios[cat]["k=8"].append(plain / fixed)
             ratios[cat]["bound"].append(plain / bound_seconds(proposals(prompt, reply), reply, cost, overhead))
         print(f"\n## {model} + prompt-lookup (1 token: {cost(1) * 1e3:.1f} ms; 8: {cost(8) * 1e3:.1f} ms; "

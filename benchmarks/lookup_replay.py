@@ -9,8 +9,8 @@ gemma-3-270m's greedy target-only reply to every prompt of benchmarks/data (raw 
 where the model ends it) is decoded once and cached (--replies). Then, on those token streams, each step is
 billed at this machine's calibrated batch costs (the policy's costs.json) plus a fixed host time per step:
 
-- empty / learned: specchat's LookupPolicy and PromptLookup step by step, from nothing, or from what the
-  learning set taught (what its runs keep, and its replies as the reply history), as lookup_unseen.py runs them;
+- empty / learned: specchat's adaptive policy and PromptLookup step by step, from nothing, or with the
+  learning set's replies as the reply history, as lookup_unseen.py runs them;
 - ngram-simple: llama.cpp's (common/ngram-map.cpp): the latest earlier occurrence of the last 12 tokens,
   its next 48 drafted (at least 12 available);
 - ngram-mod: llama.cpp's (common/ngram-mod.cpp): a table of 24-gram -> next token, filled from the prompt
@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lookup_bound import MemoryStore, ReplayedLookupPolicy, agreeing, bound_seconds, proposals, replay_seconds  # noqa: E402
+from lookup_bound import agreeing, bound_seconds, proposals, replay_seconds  # noqa: E402
 from lookup_unseen import CTX, DATA, MODEL, load_prompts  # noqa: E402
 
 from specchat.backend import LlamaCppBackend  # noqa: E402
 from specchat.config import load_config  # noqa: E402
-from specchat.drafters import NgramHistory  # noqa: E402
+from specchat.lookup import NgramHistory  # noqa: E402
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.paths import cache_dir  # noqa: E402
 from specchat.costs import CostModel, cached_cost_model  # noqa: E402
@@ -146,15 +146,9 @@ def main() -> None:
     target.close()
     ours, theirs = a.overhead_ms / 1e3, a.llama_overhead_ms / 1e3
 
-    def replay(item: dict, store: MemoryStore, history: NgramHistory | None) -> float:
-        policy = ReplayedLookupPolicy(cost, ours, store)
-        seconds = replay_seconds(item["prompt"], item["reply"][: a.n], cost, ours, policy, history=history)
-        policy.finish()
-        return seconds
+    def replay(item: dict, history: NgramHistory | None) -> float:
+        return replay_seconds(item["prompt"], item["reply"][: a.n], cost, ours, history=history)
 
-    learned = MemoryStore()  # what the learning set leaves, each run starting from the last one's
-    for r in learning:
-        replay(replies[r["id"]], learned, None)
     history = NgramHistory([replies[r["id"]]["reply"][: a.n] for r in learning])
     print(f"# lookup replay · {MODEL} · 1 token {cost(1) * 1e3:.1f} ms, 8: {cost(8) * 1e3:.1f} ms, "
           f"largest timed {cost.sizes[-1]}: {cost(cost.sizes[-1]) * 1e3:.1f} ms · overhead {a.overhead_ms} ms "
@@ -166,10 +160,8 @@ def main() -> None:
         simple = ngram_simple_seconds(prompt, reply, cost, theirs)
         mod = ngram_mod_seconds(prompt, reply, cost, theirs)
         best = min(simple, mod)
-        empty = replay(item, MemoryStore(), None)
-        with_state = MemoryStore()
-        with_state.tables = json.loads(json.dumps(learned.tables))  # every prompt sees the same learned state
-        learned_seconds = replay(item, with_state, history)
+        empty = replay(item, None)
+        learned_seconds = replay(item, history)  # lookup's estimates are one conversation's: only replies carry
         plain = len(reply) * (cost(1) + ours)
         bound = bound_seconds(proposals(prompt, reply), reply, cost, ours)
         rows.append({"id": r["id"], "kind": r["kind"], "empty": best / empty, "learned": best / learned_seconds,

@@ -36,20 +36,21 @@ RUNNER = r"""
 import json, resource, sys
 from specchat.backend import LlamaCppBackend
 from specchat.config import load_config
-from specchat.drafters import PromptLookup
+from specchat.lookup import PromptLookup
 from specchat.engine import Finished, generate
 from specchat.paths import cache_dir
 from specchat.costs import cached_cost_model
-from specchat.policy import DRAFT_MAX, LookupPolicy
+from specchat.policy import DRAFT_MAX, AdaptivePolicy
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
 model, ctx, outputs, prompt, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 target = LlamaCppBackend(resolve(load_config().model(model)), n_ctx=ctx, n_threads=2, n_gpu_layers=0, name=model,
                          outputs=outputs)
-policy = LookupPolicy(cached_cost_model(target, cache_dir() / "costs.json"), draft_max=DRAFT_MAX)
+lookup = PromptLookup(1, 32)
+policy = AdaptivePolicy(lookup, cached_cost_model(target, cache_dir() / "costs.json"), draft_max=DRAFT_MAX)
 ids = target.tokenize(prompt, add_special=True)
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for event in generate(target, PromptLookup(1, 32), ids, SamplingParams(temperature=0.0, banned=()), max_tokens=n,
+for event in generate(target, lookup, ids, SamplingParams(temperature=0.0, banned=()), max_tokens=n,
                       policy=policy):
     if isinstance(event, Finished):
         s = event.stats

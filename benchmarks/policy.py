@@ -28,11 +28,13 @@ sys.path.insert(0, str(ROOT))
 
 from specchat.backend import LlamaCppBackend  # noqa: E402
 from specchat.config import load_config  # noqa: E402
-from specchat.drafters import DraftModel, HybridDrafter, PromptLookup  # noqa: E402
+from specchat.drafters import Chain, DraftModel  # noqa: E402
+from specchat.lookup import PromptLookup
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.loader import Loaded  # noqa: E402
 from specchat.paths import cache_dir  # noqa: E402
-from specchat.policy import FixedPolicy, make_policy  # noqa: E402
+from specchat.policy import FixedPolicy  # noqa: E402
+from specchat.loader import make_policy
 from specchat.report import load_prompts  # noqa: E402
 from specchat.sampling import SamplingParams  # noqa: E402
 from specchat.sources import resolve  # noqa: E402
@@ -95,7 +97,7 @@ def main() -> None:
                 drafter = DraftModel.checked(other, target, p_min=0.75)
                 label = name
                 if kind.startswith("hybrid="):  # prompt lookup where it matches, the model otherwise
-                    drafter, label = HybridDrafter(PromptLookup(1, 32), drafter), f"prompt-lookup + {name}"
+                    drafter, label = Chain([PromptLookup(1, 32), drafter]), f"prompt-lookup + {name}"
             else:
                 drafter = PromptLookup(1, 32)
                 label = "prompt-lookup"

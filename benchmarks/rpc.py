@@ -37,10 +37,11 @@ os.environ.setdefault("SPECCHAT_HOME", tempfile.mkdtemp(prefix="specchat-rpc-ben
 from specchat import rpc  # noqa: E402
 from specchat.backend import LlamaCppBackend  # noqa: E402
 from specchat.config import load_config  # noqa: E402
-from specchat.drafters import PromptLookup  # noqa: E402
+from specchat.lookup import PromptLookup  # noqa: E402
 from specchat.engine import Finished, generate  # noqa: E402
 from specchat.loader import Loaded  # noqa: E402
-from specchat.policy import FixedPolicy, make_policy  # noqa: E402
+from specchat.policy import FixedPolicy  # noqa: E402
+from specchat.loader import make_policy
 from specchat.report import load_prompts  # noqa: E402
 from specchat.sampling import SamplingParams  # noqa: E402
 from specchat.sources import resolve  # noqa: E402

@@ -174,7 +174,7 @@ import json, sys
 from specchat.config import load_config
 from specchat.loader import LoadOptions, Selection, load
 from specchat.engine import StepEvent, generate
-from specchat.policy import make_policy
+from specchat.loader import make_policy
 from specchat.sampling import SamplingParams
 loaded = load(load_config(), Selection("gemma-3-270m", "prompt-lookup"), LoadOptions(n_ctx=2048, n_threads=int(sys.argv[2]), n_gpu_layers=0))
 ids = loaded.target.tokenize(sys.argv[1], add_special=True)

@@ -20,14 +20,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import paths
+from . import kinds, paths
 from .errors import SpecchatError
 
-PROMPT_LOOKUP = "prompt-lookup"
-"""The draft name that means "no draft model: n-gram lookup over the prompt and history"."""
-MTP = "mtp"
-"""The draft name that means "the target's own MTP (NextN) layers draft" (llama.cpp's --spec-type draft-mtp)."""
-DRAFTERS = (PROMPT_LOOKUP, MTP)  # draft names that are not models
 
 SOURCE_KEYS = ("path", "hub", "package", "parts")
 _MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description", "rpc"}
@@ -82,15 +77,20 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class PairSpec:
-    """A target model and what drafts for it: another model reference or PROMPT_LOOKUP."""
+    """A target model and what drafts for it: a model reference or a drafter's word (prompt-lookup, mtp),
+    or several of them (a chain: the policy picks among them every step)."""
 
     name: str
     target: str
-    draft: str
+    drafts: tuple[str, ...]
     description: str = ""
     origin: str = ""
     rpc: tuple[str, ...] = ()  # RPC workers for the pair's target
-    lookup: bool = False  # hybrid: prompt lookup where it matches, `draft` otherwise
+
+    @property
+    def draft(self) -> str:
+        """The drafter as written for one, a chain's joined with " + "."""
+        return " + ".join(self.drafts)
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Config:
         `--target ./x.gguf` and `--draft owner/repo:Q8_0` work without editing any file."""
         if ref in self.models:
             return self.models[ref]
-        if ref in DRAFTERS:
+        if kinds.by_word(ref) is not None:
             raise ConfigError(f"'{ref}' is a drafter, not a model; it can only be a pair's draft")
         kind = classify_ref(ref)
         if kind is not None:
@@ -287,7 +287,7 @@ class _File:
     def model_spec(self, name: str, body: Any) -> ModelSpec:
         keys = ("models", name)
         self.check_entry("models", name, body, _MODEL_KEYS)
-        if name in DRAFTERS:
+        if kinds.by_word(name) is not None:
             raise self.error(keys, f"'{name}' is reserved for the {name} drafter")
         values = {k: self.get(body, keys, k, str) for k in ("path", "hub", "package", "file", "description") if k in body}
         assemble = self.get(body, keys, "assemble", bool, False)
@@ -393,30 +393,43 @@ class _File:
     def pair_spec(self, name: str, body: Any) -> PairSpec:
         keys = ("pairs", name)
         self.check_entry("pairs", name, body, _PAIR_KEYS)
-        refs: dict[str, str] = {}
         for k in ("target", "draft"):
             if k not in body:
                 raise self.error(keys, f"missing `{k}`")
-            ref = self.get(body, keys, k, str).strip()
-            if not ref:
-                raise self.error(keys + (k,), "must not be empty")
-            # A file named in a pair is relative to this file, like a model's `path`. Names are checked
-            # against the models only once every file is read, in _check_pair_refs.
-            if _looks_like_path(ref) and (parse_hub_ref(ref) is None or (self.base / ref).exists()):
-                ref = self._relative(ref)
-            refs[k] = ref
+        target = self.ref(keys + ("target",), self.get(body, keys, "target", str))
+        draft = body["draft"]
+        listed = draft if isinstance(draft, list) else [draft]
+        if not listed or not all(isinstance(d, str) for d in listed):
+            raise self.error(keys + ("draft",), "must be a string or an array of strings "
+                                                '(a chain: draft = ["mtp", "prompt-lookup"])')
+        drafts = [self.ref(keys + ("draft",), d) for d in listed]
         lookup = self.get(body, keys, "lookup", bool, False)
-        if lookup and refs["draft"] == PROMPT_LOOKUP:
-            raise self.error(keys + ("lookup",), "needs a draft model to fall back on; this pair's draft is prompt-lookup")
+        word = kinds.PROMPT_LOOKUP.word
+        if lookup and word in drafts:
+            raise self.error(keys + ("lookup",), "needs a draft model to fall back on; this pair's draft is prompt-lookup"
+                             if len(drafts) == 1 else "adds prompt-lookup, which this pair's draft already names")
+        if lookup:  # the older spelling of a chain: prompt lookup first, the draft otherwise
+            drafts.insert(0, word)
+        if len(set(drafts)) < len(drafts):
+            raise self.error(keys + ("draft",), "names a drafter twice")
         return PairSpec(
             name=name,
-            target=refs["target"],
-            draft=refs["draft"],
+            target=target,
+            drafts=tuple(drafts),
             description=self.get(body, keys, "description", str, ""),
             origin=self.label,
             rpc=self.rpc(body, keys),
-            lookup=lookup,
         )
+
+    def ref(self, keys: tuple[str, ...], ref: str) -> str:
+        """A pair's target or draft reference, checked, a file relative to this file (like a model's `path`).
+        Names are checked against the models only once every file is read, in _check_pair_refs."""
+        ref = ref.strip()
+        if not ref:
+            raise self.error(keys, "must not be empty")
+        if _looks_like_path(ref) and (parse_hub_ref(ref) is None or (self.base / ref).exists()):
+            ref = self._relative(ref)
+        return ref
 
     def _relative(self, ref: str) -> str:
         if ref.startswith("~") or Path(ref).is_absolute():
@@ -426,8 +439,8 @@ class _File:
 
 def _check_pair_refs(cfg: Config, pair: PairSpec, index: _LineIndex) -> None:
     """After every file is read, a pair's target and draft must name something usable."""
-    for key, ref in (("target", pair.target), ("draft", pair.draft)):
-        if key == "draft" and ref in DRAFTERS:
+    for key, ref in (("target", pair.target), *(("draft", d) for d in pair.drafts)):
+        if key == "draft" and kinds.by_word(ref) is not None:
             continue
         keys = ("pairs", pair.name, key)
         try:

@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from .backend import Backend, HeldPrefix, VocabFile, common_prefix, sync
-from .drafters import Draft, draft_token
+from . import kinds
+from .drafters import Draft, ModelDrafting, draft_token
 from .sampling import (
     Dist, SamplingParams, apply_penalties, draft_confidence, penalty_window, process, sample, top_k_ids,
 )
@@ -212,13 +213,14 @@ def _text(data: bytes) -> str:
 # -- the drafter ------------------------------------------------------------------------------------
 
 
-class CrossVocabDrafter:
+class CrossVocabDrafter(ModelDrafting):
     """A draft model whose vocabulary differs from the target's (see the module doc)."""
 
-    kind = "draft-model"  # the adaptive policy measures its cost like any draft model's
+    kind = kinds.DRAFT_MODEL  # a draft model whatever its tokenizer: priced and shown as one
 
     def __init__(self, backend: Backend, target: Backend, vmap: VocabMap | None = None, *, rule: str = "auto",
                  p_min: float = 0.0, draft_min: int = 0):
+        super().__init__()
         self.backend = backend
         self.target = target
         self.rule = check_rule(rule)
@@ -445,13 +447,13 @@ class CrossVocabDrafter:
             ids = ids[:k]
         elif not complete:
             ids = ids[:-1]  # the draft stopped mid-text: its last token may be the start of a longer one
-        return Draft(tokens=ids[:k], q=[None] * len(ids[:k]), confidence=confidence), drafted
+        return Draft(tokens=ids[:k], q=[None] * len(ids[:k]), confidence=confidence, source=self.kind.name), drafted
 
     def _propose_tli(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
         to_target = self.map.to_target
         penalised = dparams.has_penalty
         history = penalty_window(self._ids, dparams)
-        draft = Draft()
+        draft = Draft(source=self.kind.name)
         drafted: list[int] = []
         confidence = 1.0
         for i in range(min(k, room - 1)):

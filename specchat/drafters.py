@@ -1,14 +1,24 @@
-"""Who proposes the draft tokens: a second (small) model, or n-gram lookup over the text so far."""
+"""The drafter interface, chains of drafters, and the drafters that run a model: a second (small) model
+(`DraftModel`) and the heads that read the target's hidden states (`HeadDrafter`: MTP, EAGLE-3). Prompt
+lookup lives in lookup.py, a draft model with another tokenizer in crossvocab.py; kinds.py lists them all.
+
+A drafter proposes tokens with the distribution q each was drawn from, says what it expects of a draft
+(`offer`: the probability that each position is accepted, given the ones before it) and is told after the
+verify how many of its tokens were kept (`learn`): it owns its evidence. The policy (policy.py) prices
+every offer with the measured costs and sends the best, never knowing what kind of drafter it talks to.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .backend import Backend, BackendError, HeldPrefix, check_compatible, common_prefix, sync
+from . import kinds
+from .backend import Backend, BackendError, Eagle3Head, HeldPrefix, LlamaCppBackend, MtpHead, check_compatible, common_prefix, sync
+from .kinds import DrafterKind
 from .sampling import Dist, SamplingParams, draft_step, greedy_token, penalty_window, process, sample
 
 
@@ -19,18 +29,34 @@ class Draft:
     q: list[Dist | None] = field(default_factory=list)
     # a draft model's lowest top probability over its tokens (how sure it was)
     confidence: float = 0.0
-    # prompt lookup's evidence: the matched n-gram length, and of the earlier occurrences compared, how
-    # many (`agree` of `seen`) went on with the same token as this draft
-    match_len: int = 0
-    agree: int = 0
-    seen: int = 0
-    # who drafted: "draft-model", "prompt-lookup" (the context), "history" (earlier replies), "mtp" / "eagle3" (a head)
-    source: str = "draft-model"
+    # who drafted: a kind's name (kinds.py), or one of its `sources` (lookup's "history")
+    source: str = ""
+    # what the drafter needs back in `learn` (lookup's match); the policy does not read it
+    evidence: Any = None
+    drafter: Any = None  # the member of a chain that proposed it (set by the policy)
+    planned: int = 0  # how many tokens the policy asked for (a lookup miss proposes fewer; set by the policy)
+
+    def head(self, n: int) -> Draft:
+        """The first n tokens, the rest of the draft unchanged."""
+        return Draft(self.tokens[:n], self.q[:n], self.confidence, self.source, self.evidence, self.drafter,
+                     self.planned)
+
+
+@dataclass
+class Offer:
+    """What a drafter expects of a draft: rates[i] = P(position i accepted | positions < i accepted), one
+    per position it could send (fewer rates cap the draft); `margin`, how much better than plain decoding
+    the draft must look to be sent (None: the policy's default); `stretch`, how far a draft the estimates
+    chose may run on at the batch size that costs least per token (lookup's long copies)."""
+
+    rates: list[float]
+    margin: float | None = None
+    stretch: int = 0
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    kind: str  # "draft-model" | "prompt-lookup" | "hybrid" | "mtp" | "eagle3"
+    kind: DrafterKind
     # the drafter's own model, whose KV cache a caller resets and frees and whose cost a policy
     # measures; None for a drafter without one (prompt lookup)
     backend: Backend | None
@@ -44,17 +70,168 @@ class Drafter(Protocol):
     def room(self) -> int:
         """How many more tokens this drafter can look at (context size)."""
 
+    def offer(self, draft: Draft | None, limit: int) -> Offer:
+        """What it expects: of `draft` (a free drafter's proposal in hand), or of up to `limit` tokens it
+        has not drafted yet (a drafter whose tokens cost time is priced before it runs)."""
+
+    def learn(self, draft: Draft | None, sent: int, accepted: int, emitted: Sequence[int]) -> None:
+        """The step's outcome: its proposal this step (None: not asked), how many of its tokens went to
+        the target (0: another drafter's or none were sent) and were accepted, and the tokens emitted."""
+
+    def reply_done(self) -> None:
+        """A generation ended."""
+
+    def carried(self) -> dict[str, Any]:
+        """The estimates worth keeping for the next process (each with as_dict / absorb), by name."""
+
+
+class Chain:
+    """Several drafters for one target (`--spec-type draft-mtp,ngram-simple`, a pair's `draft = [...]`):
+    every step the policy asks each for what it would send and sends the best (llama.cpp takes the first
+    non-empty draft in a fixed order). Each token's q is its own drafter's, so the rule stays exact
+    whichever drafter wins a step."""
+
+    def __init__(self, members: Sequence[Drafter]):
+        if len(members) < 2:
+            raise ValueError("a chain needs at least two drafters")
+        self.members = tuple(members)
+        self.backend = None  # the members' own (see own_backends)
+
+    @property
+    def label(self) -> str:
+        return " + ".join(describe(m) for m in self.members)
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        for member in self.members:
+            member.prefill(prompt_ids)
+
+    def room(self) -> int:
+        return min(member.room() for member in self.members)
+
+
+def members(drafter) -> tuple:
+    """The drafters a policy chooses among: a chain's members, or the one drafter."""
+    return drafter.members if isinstance(drafter, Chain) else (drafter,)
+
+
+def own_backends(drafter) -> list[Backend]:
+    """Every model a drafter (or chain) runs of its own: caches a caller resets, cuts and frees."""
+    if drafter is None:
+        return []
+    return [m.backend for m in members(drafter) if getattr(m, "backend", None) is not None]
+
+
+def reads_target(drafter) -> bool:
+    """Whether a drafter (or a chain member) reads the target's own context (a head): it cannot outlive the
+    target's backend."""
+    return drafter is not None and any(getattr(getattr(m, "kind", None), "reads_target", False)
+                                       for m in members(drafter))
+
+
+def describe(drafter) -> str:
+    """A drafter as the chat header and summaries name it: its model's name, or its kind's word."""
+    backend = getattr(drafter, "backend", None)
+    kind = getattr(drafter, "kind", None)
+    if kind is not None and not kind.needs_file:
+        return kind.word or kind.name
+    return backend.name if backend is not None else getattr(kind, "name", "drafter")
+
 
 class IncompatibleDraft(BackendError):
     pass
 
 
-class DraftModel:
+MAX_POSITION = 8  # draft positions >= this share one acceptance estimate
+
+
+@dataclass
+class Acceptance:
+    """Running estimates of a_i (conditional acceptance at draft position i) for one kind of proposal,
+    as decayed Beta counts so they follow the conversation."""
+
+    prior_hits: float
+    prior_tries: float
+    decay: float = 0.98
+    hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITION))
+    tries: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITION))
+
+    def rates(self, n: int) -> np.ndarray:
+        per_position = (self.hits + self.prior_hits) / (self.tries + self.prior_tries)
+        # A position never reached yet borrows the estimate of the one before it: along a copied span
+        # acceptance stays about flat, and falling back to the prior would cap drafts at what has been seen.
+        seen = self.tries >= 0.5
+        for i in range(1, MAX_POSITION):
+            if not seen[i] and seen[:i].any():
+                per_position[i] = per_position[i - 1]
+        return per_position[np.minimum(np.arange(n), MAX_POSITION - 1)]
+
+    def record(self, accepted: int, tried: int) -> None:
+        """Positions 0..tried-1 were checked; the first `accepted` of them were kept."""
+        if tried <= 0:
+            return
+        self.hits *= self.decay
+        self.tries *= self.decay
+        for i in range(tried):
+            j = min(i, MAX_POSITION - 1)
+            self.tries[j] += 1
+            if i < accepted:
+                self.hits[j] += 1
+
+    def age(self, factor: float) -> None:
+        """Let old evidence weigh less (a drafter not tried for a while drifts back towards its prior)."""
+        self.hits *= factor
+        self.tries *= factor
+
+    def as_dict(self) -> dict:
+        return {"hits": [round(float(x), 4) for x in self.hits], "tries": [round(float(x), 4) for x in self.tries]}
+
+    def absorb(self, saved: dict, trust: float) -> bool:
+        """Start from counts an earlier process saved, discounted so that at most `trust` observations
+        per position carry over: a fresh run begins where the last one left off, and its own evidence
+        overrides the old within a few steps. False (and nothing changed) for anything malformed."""
+        try:
+            hits = np.asarray(saved["hits"], dtype=np.float64)
+            tries = np.asarray(saved["tries"], dtype=np.float64)
+        except (KeyError, TypeError, ValueError):
+            return False
+        if hits.shape != (MAX_POSITION,) or tries.shape != (MAX_POSITION,):
+            return False
+        if not (np.isfinite(hits).all() and np.isfinite(tries).all()) or (hits < 0).any() or (hits > tries + 1e-6).any():
+            return False
+        scale = np.where(tries > trust, trust / np.maximum(tries, 1e-12), 1.0)
+        self.hits = hits * scale
+        self.tries = tries * scale
+        return True
+
+
+class ModelDrafting:
+    """What every drafter that runs a model shares (a draft model, a head, a draft with another tokenizer):
+    one acceptance estimate per draft position, learned from its verified drafts and kept across
+    processes. It gets an optimistic prior so it is tried; its misses then teach it."""
+
+    def __init__(self) -> None:
+        self.acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
+
+    def offer(self, draft: Draft | None, limit: int) -> Offer:
+        return Offer(self.acceptance.rates(limit if draft is None else len(draft.tokens)).tolist())
+
+    def learn(self, draft: Draft | None, sent: int, accepted: int, emitted: Sequence[int]) -> None:
+        self.acceptance.record(accepted, sent)
+
+    def reply_done(self) -> None:
+        pass
+
+    def carried(self) -> dict[str, Any]:
+        return {"model": self.acceptance}
+
+
+class DraftModel(ModelDrafting):
     """A second GGUF model sharing the target's vocabulary: proposes by sampling its own distribution."""
 
-    kind = "draft-model"
+    kind = kinds.DRAFT_MODEL
 
     def __init__(self, backend: Backend, p_min: float = 0.0, draft_min: int = 0):
+        super().__init__()
         self.backend = backend
         self.p_min = p_min
         self.draft_min = draft_min
@@ -85,7 +262,7 @@ class DraftModel:
         row = sync(self.backend, context, logits_last=True, known=self.held.known(context))
         if k > 1:  # the drafts evaluated next are cut after the verify (a recurrent model copies its state)
             self.backend.checkpoint()
-        draft = draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(),
+        draft = draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(source=self.kind.name),
                            lambda token: self.backend.eval([token], [0], in_place=True)[0])
         self.held.record(context, len(context))
         return draft
@@ -121,7 +298,7 @@ class HiddenRows:
         return out
 
 
-class HeadDrafter:
+class HeadDrafter(ModelDrafting):
     """A drafting head that reads the target's hidden states: the target's own MTP layers (`MtpHead`) or an
     EAGLE-3 head (`Eagle3Head`), paired as llama.cpp pairs them (common/speculative.cpp).
 
@@ -139,8 +316,9 @@ class HeadDrafter:
     heads punish with a collapse in acceptance."""
 
     def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0, pair_offset: int = 0):
+        super().__init__()
         self.head = head
-        self.kind = getattr(head, "kind", "mtp") or "mtp"  # the policy: "mtp" / "eagle3", both like a draft model
+        self.kind = kinds.by_name(getattr(head, "kind", None) or kinds.MTP.name)
         self.backend = head  # the KV cache a caller resets, the cost a policy measures
         self.p_min = p_min
         self.draft_min = draft_min
@@ -196,17 +374,11 @@ class HeadDrafter:
             return Draft()
         row = self._catch_up(context, n, logits=True)
         try:
-            return draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(source=self.kind),
+            return draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(source=self.kind.name),
                               lambda token: self.head.eval([token], [0], states=self.head.hidden)[0])
         finally:
             self.head.truncate(n - self.shift)  # the draft entries carry the head's own rows, not the target's
             self.held.record(context, n - self.shift)
-
-
-def reads_target(drafter) -> bool:
-    """Whether a drafter reads the target's own context (a head, alone or in a hybrid): it cannot outlive
-    the target's backend."""
-    return isinstance(drafter, HeadDrafter) or isinstance(getattr(drafter, "model", None), HeadDrafter)
 
 
 def draft_loop(row: np.ndarray, k: int, context: Sequence[int], params: SamplingParams, rng: np.random.Generator,
@@ -249,357 +421,48 @@ def draft_token(row: np.ndarray, params: SamplingParams, history, rng: np.random
     return token, q, top
 
 
-SEPARATOR = -1  # between the replies of an n-gram history: matches no token, ends every continuation
-ORDER = 4  # n-grams up to this length are indexed; longer matches extend a 4-gram's, token by token
-# Where the context has a match, an earlier reply's replaces it only when it is longer by more than this: a
-# slightly longer match in another conversation's text took the place of the context's own continuation
-# (the one the reply was copying) and cost 2-13% of the speed on 4 of 16 replayed prompts; with 4,
-# state learned from other prompts was never slower than an empty cache in total (lookup_replay.py).
-HISTORY_LEAD = 4
-# ... and only a match of at least this many tokens is followed there at all: a shorter one in another
-# conversation's text is a common phrase, not a copy. Replayed on the 40 evaluation prompts with the 16
-# learning replies as the history (benchmarks/lookup_replay.py), history drafts of shorter matches kept 8
-# of 30 tokens sent (the other way round: 3 of 30), those of 8+ kept 15 of 25 (10 of 16). The bar left the
-# geometric means as they were (1.33x / 1.27x -> 1.33x / 1.28x of llama.cpp's n-gram drafters) and lifted
-# the worst 32-token reply from 0.95x to 0.97x of target-only. In real runs of qa-context-1, a history
-# draft of a match under 4 tokens early in the reply changed its batches, and with them (batched logits
-# differ a little) the reply: it parted from the one an empty cache writes, and ran 0.68-0.81x of
-# llama.cpp's best drafter where the empty cache's ran 0.92x. (Both part from llama.cpp's text at its fourth
-# token, so on the default build that prompt times another text than llama.cpp's; on a build whose batches
-# compute what single tokens do, the texts agree and it runs 1.26x: docs/benchmarks.md, "Texts pinned".)
-HISTORY_MIN = 8
-CANDIDATES = 16  # the latest occurrences of the tail's n-gram that are compared: a step's cost is bounded
 
 
-class NgramIndex:
-    """Where every n-gram (n = 1..ORDER) of a token stream ends, kept up to date as tokens arrive (and
-    are cut), so a lookup costs the same at 32k tokens of context as at 500: the tail's n-gram gives its
-    latest occurrence at once, each occurrence the one before it, and only the latest CANDIDATES are
-    extended backwards into a full match. This is the context's index; a frozen stream (earlier replies)
-    uses FrozenNgramIndex.
-
-    Only ints are stored (an n-gram packed into one int, a chain of earlier positions per order), no
-    container per n-gram: the garbage collector walks every live container now and then, and a list per
-    n-gram of a 32k-token context made each step ten times slower than at 500 tokens."""
-
-    def __init__(self, tokens: Sequence[int] = ()):
-        self.ids: list[int] = []
-        self._latest: list[dict[int, int]] = [{} for _ in range(ORDER)]  # packed n-gram -> latest end
-        self._before: list[list[int]] = [[] for _ in range(ORDER)]  # end p -> the same n-gram's end before p
-        self._followed: Sequence[int] | None = None  # the list follow() last brought the index up to
-        self.extend(tokens)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        ids, latest, before = self.ids, self._latest, self._before
-        for token in tokens:
-            token = int(token)
-            ids.append(token)
-            p = len(ids) - 1
-            key = 0
-            for n in range(ORDER):
-                back = ids[p - n] if p >= n else SEPARATOR
-                if back == SEPARATOR:  # no n-gram across a separator or the start: nothing before p
-                    for m in range(n, ORDER):
-                        before[m].append(-1)
-                    break
-                key = (key << _BITS) | back
-                before[n].append(latest[n].get(key, -1))
-                latest[n][key] = p
-
-    def truncate(self, n: int) -> None:
-        """Forget the tokens from position n on (a rewritten turn, a regenerated reply)."""
-        ids, latest, before = self.ids, self._latest, self._before
-        for p in range(len(ids) - 1, n - 1, -1):
-            key = 0
-            for order in range(ORDER):
-                back = ids[p - order] if p >= order else SEPARATOR
-                if back == SEPARATOR:
-                    break
-                key = (key << _BITS) | back
-                if before[order][p] < 0:
-                    del latest[order][key]
-                else:
-                    latest[order][key] = before[order][p]
-        del ids[n:]
-        for chain in before:
-            del chain[n:]
-
-    def follow(self, context: Sequence[int]) -> None:
-        """Hold exactly `context`: index what it adds to the tokens held, after cutting where it differs.
-        The engine's context list only grows inside a generation, so the same list again is trusted up to
-        what was held (its last held token checked); any other list (a new turn, a test's) is compared in
-        full, once."""
-        held = len(self.ids)
-        same_list = context is self._followed and len(context) >= held and (not held or context[held - 1] == self.ids[-1])
-        if not same_list:
-            common = common_prefix(context, self.ids)
-            if common < held:
-                self.truncate(common)
-                held = common
-        self.extend(context[held:])
-        self._followed = context
-
-    def latest(self, gram: Sequence[int]) -> Iterator[int]:
-        """End positions of `gram` (at most ORDER tokens), newest first."""
-        key = 0
-        for token in reversed(gram):
-            key = (key << _BITS) | token
-        order = len(gram) - 1
-        p = self._latest[order].get(key, -1)
-        chain = self._before[order]
-        while p >= 0:
-            yield p
-            p = chain[p]
+# -- the kinds table's factories (loader.Build -> drafter) ---------------------------------------------
 
 
-_BITS = 32  # a token id packed per n-gram position: vocabularies are far below 2**32
+def build_draft_model(build) -> Drafter:
+    """A draft model from -md: the target's own tokens where the vocabularies match (llama.cpp's rule),
+    else drafted in its own tokens and re-tokenised for the target (crossvocab.py)."""
+    opts = build.opts
+    build.status(f"loading draft {build.spec.name}")
+    backend = LlamaCppBackend(
+        build.path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers_draft, n_threads=build.threads,
+        name=build.spec.name, flash_attn=opts.flash_attn,
+        snapshots=0,  # drafts are evaluated one token a batch: snapshots of a batch cannot undo them
+    )
+    try:
+        try:
+            return DraftModel.checked(backend, build.target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
+        except IncompatibleDraft:
+            from .crossvocab import CrossVocabDrafter  # its vocabulary maps load only when needed
+
+            build.status(f"mapping {build.spec.name}'s vocabulary to {build.target_spec.name}'s")
+            return CrossVocabDrafter(backend, build.target, rule=opts.cross_vocab, p_min=opts.draft_p_min,
+                                     draft_min=opts.draft_min)
+    except BackendError:
+        backend.close()
+        raise
 
 
-class FrozenNgramIndex:
-    """The same lookups over a stream that never changes (earlier replies, up to 64k tokens), built in one
-    pass of numpy at load rather than a Python loop per token: each n-gram's hash, sorted once, and a
-    binary search per lookup. Hash collisions are harmless: every candidate's tokens are compared."""
-
-    _MULT = np.int64(1_000_003)
-
-    def __init__(self, ids: np.ndarray):
-        self.ids: list[int] = ids.tolist()
-        self._sorted: list[tuple[np.ndarray, np.ndarray]] = []
-        arr = ids.astype(np.int64)
-        n_ids = len(arr)
-        key = np.zeros(n_ids, dtype=np.int64)
-        valid = np.ones(n_ids, dtype=bool)
-        for n in range(1, ORDER + 1):
-            # key[p] of the n-gram ending at p, from the (n-1)-gram's: the token n-1 places back joins it
-            back = np.full(n_ids, SEPARATOR, dtype=np.int64)
-            back[n - 1 :] = arr[: n_ids - n + 1]
-            with np.errstate(over="ignore"):
-                key = key * self._MULT + back + 2
-            valid &= back != SEPARATOR
-            ends = np.flatnonzero(valid)
-            order = np.argsort(key[ends], kind="stable")  # equal keys stay oldest first
-            self._sorted.append((key[ends][order], ends[order]))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def latest(self, gram: Sequence[int]) -> Iterator[int]:
-        """End positions of `gram`, newest first."""
-        key = np.int64(0)
-        with np.errstate(over="ignore"):
-            for token in reversed(gram):  # the same recurrence as __init__: the last token first
-                key = key * self._MULT + np.int64(token + 2)
-        keys, ends = self._sorted[len(gram) - 1]
-        lo, hi = np.searchsorted(keys, key, side="left"), np.searchsorted(keys, key, side="right")
-        # a lookup compares at most CANDIDATES of them: a frequent token's thousands are not listed
-        return reversed(ends[max(lo, hi - 2 * CANDIDATES) : hi].tolist())
+def build_mtp(build) -> HeadDrafter:
+    """The target's own MTP layers (-md mtp, --spec-type draft-mtp)."""
+    build.status(f"creating the MTP context of {build.target_spec.name}")
+    return HeadDrafter(MtpHead(build.target), build.target, p_min=build.opts.draft_p_min,
+                       draft_min=build.opts.draft_min)
 
 
-@dataclass
-class Match:
-    """The longest earlier occurrence of the context's tail found in an index: where it ends, how many
-    tokens match (the evidence a policy weighs), and how many of the occurrences compared (`seen`) went
-    on with the same next token (`agree`): a continuation that held every time it came up deserves trust."""
-
-    end: int = -1
-    length: int = 0
-    agree: int = 0
-    seen: int = 0
-
-
-def find_match(index: NgramIndex | FrozenNgramIndex, tail: Sequence[int], before: int, max_len: int) -> Match:
-    """The longest match of `tail`'s end among the latest CANDIDATES occurrences of its longest indexed
-    n-gram that end before position `before` and have a token after them, latest first among equals."""
-    ids = index.ids
-    n_tail = len(tail)
-    for order in range(min(ORDER, n_tail, max_len), 0, -1):
-        gram = [int(t) for t in tail[n_tail - order :]]
-        best = Match()
-        compared: list[int] = []
-        for p in index.latest(gram):
-            if p >= before or ids[p + 1] == SEPARATOR:
-                continue
-            compared.append(p)
-            if best.length < max_len:  # else the latest full-length match cannot be beaten: only counted
-                length = order
-                limit = min(max_len, n_tail, p + 1)
-                while length < limit and ids[p - length] == tail[n_tail - 1 - length]:
-                    length += 1
-                if length > best.length:
-                    best = Match(p, length)
-            if len(compared) >= CANDIDATES:
-                break
-        if compared:
-            following = ids[best.end + 1]
-            best.seen = len(compared)
-            best.agree = sum(ids[p + 1] == following for p in compared)
-            return best
-    return Match()
-
-
-class NgramHistory:
-    """Token streams of this user's earlier replies (chat transcripts, report runs), searched when the
-    context has no match as long: llama.cpp's lookup caches (`--lookup-cache-dynamic`), without a
-    separate file format. Streams are joined with separators, which no token matches, and only the
-    latest `max_tokens` are kept."""
-
-    def __init__(self, streams: Sequence[Sequence[int]], max_tokens: int = 1 << 16):
-        parts: list[np.ndarray] = []
-        total = 0
-        for stream in reversed(streams):
-            if total >= max_tokens:
-                break
-            arr = np.asarray(stream, dtype=np.int64)[-(max_tokens - total):]
-            parts.append(np.append(arr, SEPARATOR))
-            total += len(arr) + 1
-        ids = np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
-        self.index = FrozenNgramIndex(ids)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.index.ids
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def find(self, tail: Sequence[int], k: int, max_len: int) -> tuple[list[int], Match]:
-        """(continuation of up to k tokens, the match) for the end of `tail`; a continuation ends where
-        its reply ended."""
-        if len(self.index) < 2 or len(tail) == 0:
-            return [], Match()
-        match = find_match(self.index, tail, len(self.index) - 1, max_len)
-        if match.length == 0:
-            return [], match
-        ids = self.index.ids
-        follow = ids[match.end + 1 : match.end + 1 + k]
-        if SEPARATOR in follow:
-            follow = follow[: follow.index(SEPARATOR)]
-        return follow, match
-
-
-class PromptLookup:
-    """Prompt lookup decoding (Saxena 2023; llama.cpp's ngram-simple): find the latest earlier occurrence
-    of the longest suffix of the context (up to max_ngram tokens, at least min_ngram) and propose what
-    followed it. A match close to the end of the context is a loop, and its continuation runs on around
-    the loop (what llama.cpp's ngram-mod drafts a token at a time), not just to the end of the context.
-
-    The evidence goes with the draft for the policy to weigh: the match length (a 24-token match predicts
-    a long accepted run, a 1-token one hardly anything), how often the continuation held before (`agree`
-    of `seen`), and whether the match is in this conversation or in earlier replies (`history`, searched
-    too: used where the context has no match, or one shorter by more than HISTORY_LEAD, and only from
-    HISTORY_MIN tokens on). The context is
-    indexed as it grows (NgramIndex), so a step costs the same however long the conversation is."""
-
-    kind = "prompt-lookup"
-    backend = None  # nothing to evaluate: proposals cost no model time
-
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 32, draft_min: int = 0,
-                 history: NgramHistory | None = None):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min n-gram ({min_ngram}) <= max n-gram ({max_ngram})")
-        self.min_ngram = min_ngram
-        self.max_ngram = max_ngram
-        self.draft_min = draft_min
-        self.history = history
-        self.index = NgramIndex()
-        self.last_match = 0  # n-gram length of the last proposal (0 = none found)
-        self.last_from_history = False
-        self.last = Match()  # the last lookup's match, with its agreement counts
-
-    def prefill(self, prompt_ids: Sequence[int]) -> None:
-        self.index.follow(prompt_ids)
-
-    def room(self) -> int:
-        return 1 << 30
-
-    def find(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
-        """(continuation of up to k tokens, matched n-gram length), longest match first, latest first;
-        the context before the history when their matches are as long."""
-        self.index.follow(context)
-        ids = self.index.ids
-        end = len(ids) - 1
-        self.last_from_history = False
-        tail = ids[max(0, end + 1 - self.max_ngram) :]
-        match = find_match(self.index, tail, end, self.max_ngram) if end >= 1 else Match()
-        tokens: list[int] = []
-        if match.length:
-            # x[end + 1 + i] = x[match.end + 1 + i]: past the end of the context that is a token proposed
-            # here, so the continuation repeats with the period end - match.end
-            period = end - match.end
-            start = match.end + 1
-            tokens = ids[start : start + min(k, period)]
-            while len(tokens) < k:
-                tokens += tokens[: k - len(tokens)]
-        if self.history is not None and match.length < self.max_ngram:
-            h_tokens, h_match = self.history.find(tail, k, self.max_ngram)
-            if (h_match.length > (match.length + HISTORY_LEAD if match.length else 0) and h_tokens
-                    and h_match.length >= HISTORY_MIN):
-                tokens, match = h_tokens, h_match
-                self.last_from_history = True
-        self.last = match
-        if match.length < self.min_ngram:
-            return [], 0
-        return tokens, match.length
-
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        if k <= 0:
-            return Draft()
-        tokens, n = self.find(context, k)
-        self.last_match = n
-        if len(tokens) < max(1, self.draft_min):
-            return Draft()
-        return self.draft(tokens, n)
-
-    def draft(self, tokens: list[int], match_len: int) -> Draft:
-        """The last lookup's tokens as a Draft, with its evidence."""
-        source = "history" if self.last_from_history else "prompt-lookup"
-        return Draft(tokens=tokens, q=[None] * len(tokens), match_len=match_len, agree=self.last.agree,
-                     seen=self.last.seen, source=source)
-
-
-class HybridDrafter:
-    """Prompt lookup where it has a match, the draft model otherwise (what llama.cpp's server does with
-    a draft model and `--spec-type ngram-*` together). Lookup is tried first because it costs nothing;
-    `choose` (the policy's) then says whether to send the match, ask the model for k tokens instead,
-    or draft nothing. Without a chooser a match of min_ngram or more wins."""
-
-    kind = "hybrid"
-
-    def __init__(self, lookup: PromptLookup, model: DraftModel):
-        self.lookup = lookup
-        self.model = model
-        self.backend = model.backend  # the KV cache a caller must reset, the cost a policy measures
-        # (lookup's draft, limit) -> (source, k): the policy's `choose` (see use_policy)
-        self.choose: Callable[[Draft, int], tuple[str, int]] | None = None
-
-    def use_policy(self, policy) -> None:
-        """Let `policy` choose between lookup's match and the model each step. A chat swaps policies
-        (/draft), so this is a method, not a constructor argument."""
-        self.choose = policy.choose
-
-    def prefill(self, prompt_ids: Sequence[int]) -> None:
-        self.lookup.prefill(prompt_ids)
-        self.model.prefill(prompt_ids)
-
-    def room(self) -> int:
-        return self.model.room()
-
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        if k <= 0:
-            return Draft()
-        tokens, n = self.lookup.find(context, k)
-        self.lookup.last_match = n
-        found = self.lookup.draft(tokens, n) if tokens else Draft()
-        if self.choose is not None:
-            source, k = self.choose(found, k)
-        else:
-            source = "prompt-lookup" if tokens else "draft-model"
-        if source == "prompt-lookup" and tokens:
-            found.tokens, found.q = found.tokens[:k], found.q[:k]
-            return found
-        if source == "draft-model" and k > 0:
-            return self.model.propose(context, k, params, rng)
-        return Draft()
+def build_eagle3(build) -> HeadDrafter:
+    """An EAGLE-3 head trained for this target: it reads the target's layers."""
+    build.status(f"loading EAGLE-3 head {build.spec.name}")
+    head = Eagle3Head(build.target, build.path, n_gpu_layers=build.opts.n_gpu_layers_draft)
+    try:
+        return HeadDrafter(head, build.target, p_min=build.opts.draft_p_min, draft_min=build.opts.draft_min)
+    except BaseException:
+        head.close()
+        raise

@@ -21,7 +21,7 @@ import numpy as np
 
 from .backend import Backend, BackendError, sync
 from .detok import Detokenizer, StopMatcher
-from .drafters import Draft, Drafter
+from .drafters import Draft, Drafter, own_backends
 from .policy import FixedPolicy, Policy
 from .sampling import (
     Dist, SamplingParams, greedy_rows, greedy_token, lazy_rows, penalty_window, process, process_rows, verify,
@@ -104,9 +104,7 @@ def generate(
         policy = FixedPolicy(0 if drafter is None else 8)
     rng = rng if rng is not None else np.random.default_rng(params.seed)
     stats = RunStats(prompt_tokens=len(prompt_ids))
-    # every model whose cache this run cuts: the target and a draft model's
-    draft_backend = getattr(drafter, "backend", None)  # a test's scripted drafter may not say
-    backends = [target] + ([draft_backend] if draft_backend is not None else [])
+    backends = [target, *own_backends(drafter)]  # every model whose cache this run cuts
     recoveries_before = sum(b.rollback_recoveries for b in backends)
 
     def recoveries() -> int:
@@ -124,13 +122,11 @@ def generate(
     gen_started = time.perf_counter()
     try:
         while (limit := reply.draft_limit(drafter)) is not None:
-            k = policy.plan(max(0, limit)) if drafter is not None else 0
             t0 = time.perf_counter()
-            draft = drafter.propose(reply.context, k, params, rng) if k > 0 else Draft()
-            n_send = policy.trim(draft) if draft.tokens else 0
-            drafts = draft.tokens[:n_send]
+            draft = policy.draft(drafter, reply.context, max(0, limit), params, rng) if drafter is not None else Draft()
+            drafts = draft.tokens
             t1 = time.perf_counter()
-            verified = verify_step(target, reply.context, drafts, draft.q[:n_send], params, rng)
+            verified = verify_step(target, reply.context, drafts, draft.q, params, rng)
             t2 = time.perf_counter()
             n_before = len(reply.generated)
             yield from reply.emit(verified.tokens(drafts), stats.steps)
@@ -144,12 +140,12 @@ def generate(
                 decided=len(emitted) + (reply.finish == "eog"),
                 draft_seconds=t1 - t0,
                 verify_seconds=t2 - t1 - verified.rollback_seconds,
-                planned=k,
+                planned=draft.planned,
                 rollback_seconds=verified.rollback_seconds,
                 source=draft.source if drafts else "",
             )
             stats.add(step)
-            policy.observe(step, draft.tokens, emitted)
+            policy.observe(step, emitted)
             stats.generate_seconds = time.perf_counter() - gen_started
             stats.rollback_recoveries = recoveries()
             yield StepEvent(step, stats.snapshot())

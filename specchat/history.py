@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
-from .drafters import NgramHistory
+from .lookup import NgramHistory
 from .paths import data_dir
 
 MAX_CHARS = 400_000  # the newest replies up to this much text (~100k tokens; under 100 ms to tokenise)

@@ -1,15 +1,22 @@
-"""From what the user typed (-m / -md / --pair) to a loaded target backend and drafter."""
+"""From what the user typed (-m / -md / --spec-type / --pair) to a loaded target backend, its drafter (or
+chain of drafters, each built by its kind's factory: kinds.py) and the policy that prices their drafts."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from . import kinds
 from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
-from .backend import MAX_SNAPSHOTS, Backend, BackendError, Eagle3Head, LlamaCppBackend, MtpHead, gguf_arch
-from .config import MTP, PROMPT_LOOKUP, Config, ModelSpec
-from .drafters import DraftModel, Drafter, HeadDrafter, HybridDrafter, IncompatibleDraft, PromptLookup
+from .backend import MAX_SNAPSHOTS, Backend, BackendError, LlamaCppBackend, gguf_arch
+from .config import Config, ModelSpec
+from .costs import CostModel, cached_cost_model, cost_cache_key, reference_cost_model
+from .drafters import Chain, Drafter, members, own_backends
+from .kinds import DrafterKind
+from .paths import cache_dir
+from .policy import AcceptanceStore, AdaptivePolicy, FixedPolicy, Policy
 from .sources import resolve
 
 
@@ -42,10 +49,10 @@ class LoadOptions:
 @dataclass
 class Loaded:
     target: Backend
-    drafter: Drafter | None
+    drafter: Drafter | Chain | None
     target_spec: ModelSpec
-    draft_spec: ModelSpec | None  # None for prompt lookup, the target's MTP layers and no drafter
-    drafter_label: str  # "prompt-lookup", "mtp", a draft model name, "prompt-lookup + NAME" (hybrid), or "none"
+    draft_spec: ModelSpec | None  # the -md file's, where a drafter is built from one
+    drafter_label: str  # "prompt-lookup", "mtp", a draft model's name, "prompt-lookup + NAME" (a chain), or "none"
     # why drafting is off although a drafter was asked for (one line for the user), or None
     drafting_off: str | None = None
 
@@ -58,16 +65,14 @@ class Loaded:
     def policy(self, draft_max: int | None = None, draft_fixed: int | None = None):
         """The draft-length policy the CLI would use (adaptive unless draft_fixed is given; draft_max
         defaults to --draft-max's default)."""
-        from .policy import DRAFT_MAX, make_policy
+        from .policy import DRAFT_MAX
 
         return make_policy(self, DRAFT_MAX if draft_max is None else draft_max, draft_fixed)
 
     def memory_line(self) -> str | None:
         """How each model's cache is cut after a rejected draft, when one is recurrent (None otherwise):
         the chat header and `prompt --stats` show it."""
-        backends = [("target", self.target)]
-        if self.drafter is not None and self.drafter.backend is not None:
-            backends.append(("draft", self.drafter.backend))
+        backends = [("target", self.target)] + [("draft", b) for b in own_backends(self.drafter)]
         if not any(b.memory.recurrent for _, b in backends):
             return None
         line = "memory: " + " · ".join(f"{role} {b.memory.describe()}" for role, b in backends)
@@ -88,37 +93,71 @@ class Loaded:
         return local
 
     def close(self) -> None:
-        # the drafter first: an MTP head's context lives on the target's weights
-        for backend in (self.drafter.backend if self.drafter is not None else None, self.target):
-            if backend is not None:
-                backend.close()
+        # the drafters first: an MTP head's context lives on the target's weights
+        for backend in (*own_backends(self.drafter), self.target):
+            backend.close()
+
+
 
 
 @dataclass(frozen=True)
 class Selection:
     target: str
-    draft: str | None  # model ref, PROMPT_LOOKUP, or None (no speculation)
+    # the drafter's ref (a model name, path or hub ref, or a kind's word: prompt-lookup, mtp), several for a
+    # chain (in the order a fixed draft length asks them), or None (no speculation)
+    draft: str | tuple[str, ...] | None
     rpc: tuple[str, ...] = ()  # the pair's `rpc` workers, when the pair picked the target
-    hybrid: bool = False  # prompt lookup first, the draft model when lookup has nothing better
-    eagle3: bool = False  # --spec-type draft-eagle3: the draft must be an EAGLE-3 head
+    # the kind the -md file must be (--spec-type draft-eagle3: an EAGLE-3 head), or None: any
+    file_kind: DrafterKind | None = None
+
+    @property
+    def drafts(self) -> tuple[str, ...]:
+        if self.draft is None:
+            return ()
+        return (self.draft,) if isinstance(self.draft, str) else tuple(self.draft)
 
 
 def select(config: Config, *, pair: str | None, target: str | None, draft: str | None, no_spec: bool,
-           hybrid: bool | None = None, eagle3: bool = False) -> Selection:
+           hybrid: bool | None = None, spec_types: tuple[DrafterKind, ...] = ()) -> Selection:
     """--pair picks both; -m / -md override either part. -m alone drafts with prompt lookup, which needs
-    no second model; --no-spec drops the drafter. --hybrid / --no-hybrid override a pair's `lookup`."""
+    no second model; --no-spec drops the drafter. --hybrid / --no-hybrid put prompt lookup in front of a
+    draft model or take it out (a pair's `lookup`). `spec_types` (--spec-type, llama.cpp's names, checked
+    by the runner) make the chain: each kind in order, a file kind drafting with -md (or the pair's model)."""
     rpc: tuple[str, ...] = ()
-    pair_hybrid = False
+    pair_drafts: tuple[str, ...] = ()
     if pair is not None or target is None:
         chosen = config.pair(pair or "default")
         rpc = chosen.rpc if target is None else ()
         target = target or chosen.target
-        draft = draft or chosen.draft
-        pair_hybrid = chosen.lookup
-    draft = draft or PROMPT_LOOKUP
-    use_hybrid = (pair_hybrid if hybrid is None else hybrid) and draft != PROMPT_LOOKUP
-    return Selection(target=target, draft=None if no_spec else draft, rpc=rpc, hybrid=use_hybrid and not no_spec,
-                     eagle3=eagle3)
+        pair_drafts = chosen.drafts
+    lookup = kinds.PROMPT_LOOKUP.word
+    file_kind = next((k for k in spec_types if k.needs_file), None)
+    if spec_types:
+        model = draft or next((d for d in pair_drafts if kinds.by_word(d) is None), None)
+        drafts = tuple(dict.fromkeys(model if k.needs_file else k.word for k in spec_types))
+    elif draft is not None:
+        drafts = (draft,)
+    else:
+        drafts = pair_drafts or (lookup,)
+    if hybrid is not None and any(d != lookup for d in drafts):
+        drafts = ((lookup,) if hybrid else ()) + tuple(d for d in drafts if d != lookup)
+    if no_spec or not drafts:
+        return Selection(target, None, rpc)
+    return Selection(target, drafts[0] if len(drafts) == 1 else drafts, rpc, file_kind)
+
+
+@dataclass
+class Build:
+    """What a kind's factory (kinds.DrafterKind.factory) gets: the target, the options, a status line, and
+    for a kind built from a file (-md), its spec and path."""
+
+    target: LlamaCppBackend
+    target_spec: ModelSpec
+    opts: LoadOptions
+    threads: int
+    status: Callable[[str], None]
+    spec: ModelSpec | None = None
+    path: Path | None = None
 
 
 def load(
@@ -127,92 +166,63 @@ def load(
     opts: LoadOptions,
     status: Callable[[str], None] = lambda message: None,
 ) -> Loaded:
-    """Resolve files (downloading hub refs), load the target, then the drafter, checking compatibility
-    before the draft's weights are loaded into a context."""
+    """Resolve files (downloading hub refs), load the target, then each drafter of the selection, checking
+    compatibility before a draft's weights are loaded into a context."""
     threads = opts.n_threads or default_threads()
     target_spec = config.model(selection.target)
     status(f"locating {target_spec.name}")
     target_path = resolve(target_spec)
+    # which kind each drafter is: a word names one, a file is a draft model or what its architecture says
+    planned: list[tuple[DrafterKind, ModelSpec | None, Path | None]] = []
+    for ref in selection.drafts:
+        kind = kinds.by_word(ref)
+        if kind is not None:
+            planned.append((kind, None, None))
+            continue
+        spec = config.model(ref)
+        status(f"locating draft {spec.name}")
+        path = resolve(spec)
+        kind = kinds.for_file(gguf_arch(path))
+        if selection.file_kind is not None and kind is not selection.file_kind:
+            raise BackendError(f"--spec-type {selection.file_kind.spec_types[0]}: {spec.name} is a "
+                               f"{gguf_arch(path)} model, not {'an' if selection.file_kind.label[0] in 'AEIOU' else 'a'} "
+                               f"{selection.file_kind.label}")
+        planned.append((kind, spec, path))
     # --rpc wins over the pair's `rpc`, which wins over the model's
     rpc = opts.rpc if opts.rpc is not None else (selection.rpc or target_spec.rpc)
     status(f"loading target {target_spec.name}" + (f" onto RPC {','.join(rpc)}" if rpc else ""))
+    target_options = {key: value for kind, _, _ in planned for key, value in kind.target_options.items()}
     target = LlamaCppBackend(
         target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name,
         rpc=rpc, flash_attn=opts.flash_attn, snapshots=min(max(opts.draft_max, 0), MAX_SNAPSHOTS),
-        mtp=selection.draft == MTP, outputs=max(opts.draft_max, 0) + 1 if selection.draft is not None else 1,
+        outputs=max(opts.draft_max, 0) + 1 if planned else 1, **target_options,
     )
+    built: list[tuple[Drafter, str]] = []
     try:
-        if selection.draft is None:
+        if not planned:
             return Loaded(target, None, target_spec, None, "none")
         if target.memory.kind == "none":  # every rejected draft would re-read the conversation
             return Loaded(target, None, target_spec, None, "none", drafting_off=_cannot_cut(target))
-        history = None
-        if opts.lookup_history and (selection.draft == PROMPT_LOOKUP or selection.hybrid):
-            from .history import reply_history
-
-            history = reply_history(target)
-        lookup = PromptLookup(opts.lookup_min, opts.lookup_max, draft_min=opts.draft_min, history=history)
-        if selection.draft == PROMPT_LOOKUP:
-            return Loaded(target, lookup, target_spec, None, PROMPT_LOOKUP)
-        if selection.draft == MTP:
-            status(f"creating the MTP context of {target_spec.name}")
-            head = HeadDrafter(MtpHead(target), target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
-            if selection.hybrid:
-                return Loaded(target, HybridDrafter(lookup, head), target_spec, None, f"{PROMPT_LOOKUP} + {MTP}")
-            return Loaded(target, head, target_spec, None, MTP)
-        draft_spec = config.model(selection.draft)
-        status(f"locating draft {draft_spec.name}")
-        draft_path = resolve(draft_spec)
-        if gguf_arch(draft_path) == "eagle3":  # a head trained for this target: it reads the target's layers
-            status(f"loading EAGLE-3 head {draft_spec.name}")
-            eagle = Eagle3Head(target, draft_path, n_gpu_layers=opts.n_gpu_layers_draft)
-            try:
-                head = HeadDrafter(eagle, target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
-            except BaseException:
-                eagle.close()
-                raise
-            if selection.hybrid:
-                return Loaded(target, HybridDrafter(lookup, head), target_spec, draft_spec,
-                              f"{PROMPT_LOOKUP} + {draft_spec.name}")
-            return Loaded(target, head, target_spec, draft_spec, draft_spec.name)
-        if selection.eagle3:
-            raise BackendError(f"--spec-type draft-eagle3: {draft_spec.name} is a {gguf_arch(draft_path)} model, "
-                               "not an EAGLE-3 head")
-        status(f"loading draft {draft_spec.name}")
-        draft_backend = LlamaCppBackend(
-            draft_path,
-            n_ctx=opts.n_ctx,
-            n_gpu_layers=opts.n_gpu_layers_draft,
-            n_threads=threads,
-            name=draft_spec.name,
-            flash_attn=opts.flash_attn,
-            snapshots=0,  # drafts are evaluated one token a batch: snapshots of a batch cannot undo them
-        )
-        try:
-            try:
-                drafter = DraftModel.checked(draft_backend, target, p_min=opts.draft_p_min, draft_min=opts.draft_min)
-            except IncompatibleDraft:
-                # another tokenizer: draft in the draft's own tokens, verify re-tokenised (crossvocab.py)
-                from .crossvocab import CrossVocabDrafter
-
-                status(f"mapping {draft_spec.name}'s vocabulary to {target_spec.name}'s")
-                drafter = CrossVocabDrafter(draft_backend, target, rule=opts.cross_vocab, p_min=opts.draft_p_min,
-                                            draft_min=opts.draft_min)
-        except BackendError:
-            draft_backend.close()
-            raise
-        if drafter.backend.memory.kind == "none":
-            if not selection.hybrid:
-                draft_backend.close()
-                return Loaded(target, None, target_spec, None, "none", drafting_off=_cannot_cut(drafter.backend))
-            draft_backend.close()  # the hybrid keeps its free half: prompt lookup
-            return Loaded(target, lookup, target_spec, None, PROMPT_LOOKUP, drafting_off=_cannot_cut(drafter.backend)
-                          .replace("drafting off", "the draft model is off; prompt lookup drafts"))
-        if selection.hybrid:
-            return Loaded(target, HybridDrafter(lookup, drafter), target_spec, draft_spec,
-                          f"{PROMPT_LOOKUP} + {draft_spec.name}")
-        return Loaded(target, drafter, target_spec, draft_spec, draft_spec.name)
+        draft_spec = next((spec for _, spec, _ in planned if spec is not None), None)
+        off: list[str] = []
+        for kind, spec, path in planned:
+            drafter = kind.build(Build(target, target_spec, opts, threads, status, spec, path))
+            if drafter.backend is not None and drafter.backend.memory.kind == "none":
+                off.append(_cannot_cut(drafter.backend))
+                drafter.backend.close()
+                continue
+            built.append((drafter, spec.name if spec is not None else (kind.word or kind.name)))
+        if not built:
+            return Loaded(target, None, target_spec, None, "none", drafting_off=off[0] if off else None)
+        note = None
+        if off:  # the rest of the chain drafts: say which drafter is off
+            note = off[0].replace("drafting off", f"that drafter is off; {' + '.join(n for _, n in built)} drafts")
+        drafter = built[0][0] if len(built) == 1 else Chain([d for d, _ in built])
+        return Loaded(target, drafter, target_spec, draft_spec, " + ".join(n for _, n in built), drafting_off=note)
     except BaseException:
+        for drafter, _ in built:
+            if drafter.backend is not None:
+                drafter.backend.close()
         target.close()
         raise
 
@@ -220,3 +230,60 @@ def load(
 def _cannot_cut(backend: Backend) -> str:
     return (f"drafting off: {backend.name}'s recurrent state ({backend.memory.arch}) can be neither cut back nor "
             "copied by this llama.cpp, so every rejected draft would re-read the whole conversation")
+
+
+# -- the policy ---------------------------------------------------------------------------------------
+
+
+def _file_size(backend) -> int | None:
+    try:
+        return Path(backend.path).stat().st_size if backend.path else None
+    except OSError:
+        return None
+
+
+def _reference_draft_cost(drafter: Drafter, target: Backend, verify: CostModel) -> CostModel | None:
+    """--reproducible: what a draft token costs, from no clock: a head is one or a few layers on the
+    target's weights; a draft model costs its file's size relative to the target's."""
+    if drafter.kind.free:
+        return None
+    if drafter.kind.cost == "head":
+        return CostModel([1], [verify(1) * 0.1], measured=True)
+    sizes = _file_size(drafter.backend), _file_size(target)
+    ratio = min(1.0, max(0.02, sizes[0] / sizes[1])) if all(sizes) else 0.25
+    return CostModel([1], [verify(1) * ratio], measured=True)
+
+
+def make_policy(loaded: Loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True,
+                reproducible: bool = False, notify: Callable[[str, float], None] | None = None) -> Policy:
+    """The policy a command runs with: none without a drafter, fixed with --draft-fixed, else adaptive,
+    each drafter starting from the estimates earlier runs saved for this target and it (unless
+    remember=False).
+
+    reproducible (--reproducible): adaptive, but its draft lengths depend only on the tokens: fixed
+    reference costs instead of timings (nothing measured, nothing learned from the clock) and no
+    estimates read from or saved for other runs. `notify(model, seconds)` is called before a
+    calibration (the first run on a machine)."""
+    if loaded.drafter is None or draft_max == 0:
+        return FixedPolicy(0)
+    if draft_fixed is not None:
+        return FixedPolicy(draft_fixed)
+    drafters = members(loaded.drafter)
+    if reproducible:
+        verify = reference_cost_model()
+        costs = [_reference_draft_cost(d, loaded.target, verify) for d in drafters]
+        return AdaptivePolicy(loaded.drafter, verify, draft_max=draft_max, draft_costs=costs, learn_costs=False)
+    cache_file = cache_dir() / "costs.json"
+    verify = cached_cost_model(loaded.target, cache_file, notify)
+    costs: list[CostModel | None] = []
+    stores: list[AcceptanceStore | None] = []
+    for drafter in drafters:
+        timed = drafter.backend is not None and not drafter.kind.free
+        costs.append(cached_cost_model(drafter.backend, cache_file, notify) if timed else None)
+        store = None
+        if remember and drafter.carried():  # (lookup carries nothing over: the file is not even read)
+            drafter_id = drafter.kind.name + (f":{cost_cache_key(drafter.backend)}" if drafter.backend is not None else "")
+            label = f"{loaded.target.name} + {drafter.kind.name}" + (f" {drafter.backend.name}" if drafter.backend else "")
+            store = AcceptanceStore(cache_dir() / "acceptance.json", f"{cost_cache_key(loaded.target)}|{drafter_id}", label)
+        stores.append(store)
+    return AdaptivePolicy(loaded.drafter, verify, draft_max=draft_max, draft_costs=costs, stores=stores)

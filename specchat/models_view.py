@@ -7,7 +7,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from .backend import BackendError, arch_memory, check_compatible, gguf_arch, gguf_nextn_layers, gguf_values, read_vocab
-from .config import MTP, PROMPT_LOOKUP, Config, ConfigError, load_config
+from . import kinds
+from .config import Config, ConfigError, load_config
 from .crossvocab import file_vocab_map, vocabulary_note
 from .sources import SourceError, describe, is_present, resolve
 
@@ -39,7 +40,7 @@ def models_tables(config: Config) -> list[Table]:
     vocabs: dict[str, object] = {}
     for name, pair in config.pairs.items():
         rpc = pair.rpc or (config.models[pair.target].rpc if pair.target in config.models else ())
-        drafter = f"{PROMPT_LOOKUP} + {pair.draft}" if pair.lookup else pair.draft
+        drafter = pair.draft
         pairs.add_row(escape(name), escape(pair.target), escape(drafter), _compatibility(config, pair, vocabs),
                       escape(_layers(rpc)), escape(pair.description))
     return [models, pairs]
@@ -58,7 +59,7 @@ def _memory(spec) -> str:
         return "[dim]?[/]"
     if arch is None:
         return "[dim]?[/]"
-    if arch == "eagle3":  # what it was trained for: a target of this width, these layers read
+    if kinds.for_file(arch) is kinds.EAGLE3:  # what it was trained for: a target of this width, these layers read
         values = gguf_values(path)[1]
         layers = ", ".join(str(x) for x in values.get("target_layers", ())) or "?"
         return escape(f"eagle3 · EAGLE-3 head for a target of width {values.get('target_hidden_size', '?')}, "
@@ -79,12 +80,11 @@ def _compatibility(config: Config, pair, vocabs: dict) -> str:
     """llama.cpp's rule when both files are here (reads vocabularies only, no weights): the same
     vocabulary, or different tokenizers (drafted across vocabularies) and how much of the draft's the
     target shares (the map is cached, see crossvocab.py)."""
-    if pair.draft == PROMPT_LOOKUP:
-        return "any (prompt lookup drafts the target's own tokens)"
-    if pair.draft == MTP:
-        return "the target's own (its MTP layers draft)"
+    model = next((d for d in pair.drafts if kinds.by_word(d) is None), None)
+    if model is None:  # drafters without a file of their own draft the target's tokens
+        return "the target's own (" + ", ".join(kinds.by_word(d).label for d in pair.drafts) + " drafts in it)"
     try:
-        specs = [config.model(pair.target), config.model(pair.draft)]
+        specs = [config.model(pair.target), config.model(model)]
         if not all(is_present(s) for s in specs):
             return "[dim]unknown until downloaded[/]"
         infos, files = [], []

@@ -39,11 +39,11 @@ Target = Annotated[
 ]
 Draft = Annotated[
     str | None,
-    typer.Option("-md", "--draft", "--model-draft", "--spec-draft-model", help="Drafter: a model (name, path or hub ref), `prompt-lookup`, or `mtp` (the target's own MTP layers). Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
+    typer.Option("-md", "--draft", "--model-draft", "--spec-draft-model", help="Drafter: a model (name, path or hub ref), `prompt-lookup`, or `mtp` (the target's own MTP layers); with --spec-type, the model its draft-simple / draft-eagle3 uses. Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
 ]
 SpecType = Annotated[
     str | None,
-    typer.Option("--spec-type", help="llama.cpp's spelling of the drafter: draft-mtp (the target's own MTP layers, = -md mtp), draft-eagle3 (-md names the head), draft-simple (a draft model), ngram-simple (= -md prompt-lookup).", rich_help_panel=SPEC),
+    typer.Option("--spec-type", help="llama.cpp's spelling of the drafter, or a chain of them comma-separated (draft-mtp,ngram-simple): draft-simple (a draft model, -md), draft-eagle3 (-md names the head), draft-mtp (the target's own MTP layers, = -md mtp), ngram-simple / ngram-map-k / ngram-map-k4v / ngram-mod / ngram-cache (all = -md prompt-lookup). A chain is priced each step and the best draft sent.", rich_help_panel=SPEC),
 ]
 Pair = Annotated[
     str | None,
@@ -114,7 +114,7 @@ LookupHistory = Annotated[
 ]
 Hybrid = Annotated[
     bool | None,
-    typer.Option("--hybrid/--no-hybrid", help="Prompt lookup where it has a match, the draft model otherwise, chosen per step (default: the pair's `lookup` key).", rich_help_panel=SPEC, show_default=False),
+    typer.Option("--hybrid/--no-hybrid", help="Add prompt lookup to the drafter (a chain: the draft that pays best each step), or --no-hybrid to take it out (default: the pair's).", rich_help_panel=SPEC, show_default=False),
 ]
 Ctx = Annotated[int, typer.Option("-c", "--ctx-size", min=16, help="Context size in tokens.", rich_help_panel=HARDWARE)]
 Ngl = Annotated[

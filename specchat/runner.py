@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from .backend import FLASH_ATTN, Backend
-from .config import MTP, PROMPT_LOOKUP, Config
+from . import kinds
+from .config import Config
 from .errors import UserError
-from .loader import LoadOptions, Selection, load, select
+from .kinds import DrafterKind
+from .loader import LoadOptions, Selection, load, make_policy, select
 from .options import MAX_THREADS, RunArgs
 from .sampling import SamplingParams
 
@@ -64,12 +66,10 @@ class RunOptions:
     max_tokens: int
     stop: list[str] = field(default_factory=list)  # the user's --stop strings (the template adds its own)
     ignore_eos: bool = False
-    reproducible: bool = False  # --reproducible: draft lengths from the tokens only (see policy.make_policy)
+    reproducible: bool = False  # --reproducible: draft lengths from the tokens only (see loader.make_policy)
 
     def policy(self, loaded, *, notify=None, draft_max: int | None = None):
         """The draft-length policy for this run (make_policy with this run's flags)."""
-        from .policy import make_policy
-
         draft_max = self.draft_max if draft_max is None else draft_max
         fixed = None if self.draft_fixed is None else min(self.draft_fixed, draft_max)
         return make_policy(loaded, draft_max, fixed, reproducible=self.reproducible, notify=notify)
@@ -136,11 +136,11 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         # a reproducible run needs a seed: 0 unless given
         seed=0 if args.reproducible and args.seed is None else args.seed,
     )
-    selection = select(config, pair=args.pair, target=args.target, draft=spec_type_draft(args.spec_type, args.draft),
-                       no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid,
-                       eagle3=(args.spec_type or "").strip().lower() == "draft-eagle3")
-    if args.hybrid and selection.draft == PROMPT_LOOKUP:
-        raise UserError("--hybrid needs a draft model (-md MODEL or a pair with one) to fall back on")
+    chain = spec_types(args.spec_type, args.draft)
+    selection = select(config, pair=args.pair, target=args.target, draft=args.draft,
+                       no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid, spec_types=chain)
+    if args.hybrid and selection.drafts == (kinds.PROMPT_LOOKUP.word,):
+        raise UserError("--hybrid needs another drafter (-md MODEL, -md mtp, or a pair with one) to fall back on")
     load_opts = LoadOptions(
         n_ctx=args.ctx_size, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngld, n_threads=args.threads,
         draft_p_min=args.draft_p_min, draft_min=args.draft_min, lookup_min=args.lookup_min,
@@ -154,29 +154,33 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
                       stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible)
 
 
-SPEC_TYPES = ("draft-mtp", "draft-eagle3", "draft-simple", "ngram-simple")  # llama.cpp's --spec-type values we take
-
-
-def spec_type_draft(spec_type: str | None, draft: str | None) -> str | None:
-    """-md as --spec-type (llama.cpp's spelling) implies it; a contradiction is a one-line error."""
-    if spec_type is None:
-        return draft
-    kind = spec_type.strip().lower()
-    if kind not in SPEC_TYPES:
-        raise UserError(f"--spec-type {spec_type!r}: one of {', '.join(SPEC_TYPES)}")
-    if kind == "draft-mtp":
-        if draft not in (None, MTP):
-            raise UserError(f"--spec-type draft-mtp drafts with the target's own MTP layers: drop -md {draft}")
-        return MTP
-    if kind == "ngram-simple":
-        if draft not in (None, PROMPT_LOOKUP):
-            raise UserError(f"--spec-type ngram-simple is prompt lookup: drop -md {draft}")
-        return PROMPT_LOOKUP
-    if draft in (MTP, PROMPT_LOOKUP):
-        raise UserError(f"--spec-type {kind} needs a model file as -md, not {draft}")
-    if kind == "draft-eagle3" and draft is None:
-        raise UserError("--spec-type draft-eagle3 needs the EAGLE-3 head: -md FILE")
-    return draft
+def spec_types(text: str | None, draft: str | None) -> tuple[DrafterKind, ...]:
+    """--spec-type as llama.cpp spells it, one type or a chain (`draft-mtp,ngram-simple`), checked against
+    -md; a mistake or a contradiction is a one-line error."""
+    if text is None:
+        return ()
+    names = [name.strip().lower() for name in text.split(",")]
+    chain: list[DrafterKind] = []
+    for name in names:
+        kind = kinds.by_spec_type(name)
+        if kind is None:
+            raise UserError(f"--spec-type {text!r}: {name!r} is not one of {', '.join(kinds.spec_types())} "
+                            "(several, comma-separated, make a chain)")
+        if kind not in chain:
+            chain.append(kind)
+    files = [k for k in chain if k.needs_file]
+    if len(files) > 1:
+        raise UserError(f"--spec-type {text}: {' and '.join(k.spec_types[0] for k in files)} both draft from -md; "
+                        "a chain takes one drafter from a file")
+    named = kinds.by_word(draft) if draft is not None else None
+    if files and named is not None:
+        raise UserError(f"--spec-type {files[0].spec_types[0]} needs a model file as -md, not {draft}")
+    if files and draft is None and files[0].reads_target:  # a head is trained for one target: no pair has it
+        raise UserError(f"--spec-type {files[0].spec_types[0]} needs the {files[0].label}: -md FILE")
+    if draft is not None and not files and named not in chain:
+        words = ", ".join(k.word or k.spec_types[0] for k in chain)
+        raise UserError(f"--spec-type {text} drafts with {words}, without a model file: drop -md {draft}")
+    return tuple(chain)
 
 
 def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:

@@ -26,7 +26,8 @@ class StepStats:
     planned: int = 0
     # tokens the step decided: `emitted` plus an end-of-generation token that ended it (not shown)
     decided: int | None = None
-    # who drafted: "draft-model", "prompt-lookup", "history" (earlier replies); "" when nothing was
+    # who drafted: a drafter kind's name (kinds.py) or one of its sources ("history": lookup's earlier
+    # replies); "" when nothing was
     source: str = ""
     # the target's checkpoint work for this step (a recurrent model without snapshots; see backend.py),
     # not part of verify_seconds: the policy learns it apart from what batches cost
@@ -75,7 +76,7 @@ class RunStats:
         self.accepted_lengths[s.accepted] += 1
         self.draft_lengths[s.drafted] += 1
         if s.drafted:
-            self.drafted_by[s.source or "draft-model"] += s.drafted
+            self.drafted_by[s.source or "unnamed"] += s.drafted
 
     def snapshot(self) -> RunStats:
         """A copy that later steps leave alone (what each StepEvent carries)."""

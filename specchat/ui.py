@@ -28,6 +28,7 @@ from rich.live import Live
 from rich.text import Text
 from rich.theme import Theme
 
+from . import kinds
 from .engine import Finished, StepEvent, TokenEvent
 from .stats import RunStats, StepStats
 
@@ -126,10 +127,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-SOURCE_NAMES = {"prompt-lookup": "lookup", "history": "lookup: earlier replies", "draft-model": "draft model",
-                "mtp": "MTP head", "eagle3": "EAGLE-3 head"}
-
-
 def footer(totals: RunStats | None, last: StepStats | None, *, label: str = "") -> Text:
     """tokens/s · acceptance rate · mean accepted length · current draft length · tokens generated."""
     text = Text(style="spec.footer")
@@ -147,10 +144,13 @@ def footer(totals: RunStats | None, last: StepStats | None, *, label: str = "") 
     item(_pct(totals.acceptance_rate), " accepted")
     item(f"{totals.mean_accepted_length or 0.0:.2f}", " tokens/step")
     item(str(last.drafted if last is not None else 0), " drafted now")
-    # which source drafted, where there is a choice: a hybrid drafter ("prompt-lookup + MODEL"), or
-    # lookup matching an earlier reply rather than this conversation
-    if last is not None and last.drafted and last.source and (" + " in label or last.source == "history"):
-        text.append(f" ({SOURCE_NAMES.get(last.source, last.source)})")
+    # which drafter drafted this step (in a chain, the one the policy chose; lookup says when it matched an
+    # earlier reply rather than this conversation)
+    if last is not None and last.drafted and last.source:
+        name, style = kinds.source_style(last.source)
+        text.append(" (")
+        text.append(name, style=style)
+        text.append(")")
     item(str(totals.emitted), " tokens")
     if label:
         text.append(f" · {label}")
@@ -198,8 +198,12 @@ def breakdown(stats: RunStats) -> Text:
     drafted = ", ".join(f"{k}: {v}" for k, v in sorted(stats.draft_lengths.items()))
     out.append(f"draft lengths (k: steps)  {drafted or '-'}\n")
     if stats.drafted_by:
-        by = ", ".join(f"{SOURCE_NAMES.get(k, k)} {v}" for k, v in sorted(stats.drafted_by.items()))
-        out.append(f"drafted tokens by source  {by}\n")
+        out.append("drafted tokens by source  ")
+        for i, (source, n) in enumerate(sorted(stats.drafted_by.items())):
+            name, style = kinds.source_style(source)
+            out.append((", " if i else "") + name, style=style)
+            out.append(f" {n}")
+        out.append("\n")
     share = stats.draft_share
     out.append(
         f"time  prefill {stats.prefill_seconds:.2f} s ({stats.prompt_tokens_evaluated} of "

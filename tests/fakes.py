@@ -14,7 +14,11 @@ import math
 import numpy as np
 
 from specchat.backend import BackendError, MemoryKind, VocabInfo
-from specchat.drafters import Draft, DraftModel
+from specchat.drafters import Draft, DraftModel, ModelDrafting
+from specchat.kinds import DrafterKind
+from specchat.lookup import Evidence, PromptLookup
+from specchat.policy import AdaptivePolicy
+from specchat.costs import CostModel
 from specchat.sampling import SamplingParams, sample
 
 LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
@@ -333,7 +337,10 @@ def logits_of(p: Sequence[float]) -> np.ndarray:
 # -- drafters ------------------------------------------------------------------------------------------
 
 
-class ScriptedDrafter:
+SCRIPTED = DrafterKind("scripted", "scripted drafter", factory=lambda build: ScriptedDrafter())
+
+
+class ScriptedDrafter(ModelDrafting):
     """A Drafter that proposes what the test says.
 
     script: a list consumed one entry per propose() call; an entry is a list of tokens (deterministic,
@@ -344,7 +351,7 @@ class ScriptedDrafter:
     Proposals are cut to k, as a real drafter does. `proposals` records (context, k) per call.
     """
 
-    kind = "scripted"
+    kind = SCRIPTED  # priced like a draft model (per-position acceptance), costing nothing unless told
     backend = None
 
     def __init__(
@@ -356,6 +363,7 @@ class ScriptedDrafter:
         room: int = 1 << 30,
         confidence: float = 1.0,
     ):
+        super().__init__()
         self.script = list(script)
         self.q_fn = q_fn
         self.fallback = fallback
@@ -396,6 +404,64 @@ class ScriptedDrafter:
             return Draft(tokens=list(entry.tokens[:k]), q=list(entry.q[:k]), confidence=entry.confidence)
         tokens = [int(t) for t in entry[:k]]
         return Draft(tokens=tokens, q=[None] * len(tokens), confidence=self.confidence)
+
+
+# -- the policy's view of a step, for tests that drive it by hand ------------------------------------------
+
+
+class SetLookup(PromptLookup):
+    """Prompt lookup whose next proposal the test sets (`next`); its estimate and learning are the real ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.next = Draft()
+
+    def propose(self, context, k, params, rng):
+        return self.next
+
+
+def found(tokens, match_len: int, history: bool = False) -> Draft:
+    """A lookup proposal of `tokens` continuing a `match_len`-token match in the conversation (or, with
+    `history`, in earlier replies)."""
+    return Draft(list(tokens), [None] * len(tokens), source="history" if history else "prompt-lookup",
+                 evidence=Evidence(match_len, history=history))
+
+
+def sent(policy, drafter, proposal: Draft | None = None, limit: int = 16) -> int:
+    """How many tokens the policy sends this step (the engine's call), lookup proposing `proposal`."""
+    if proposal is not None:
+        drafter.next = proposal
+    return len(policy.draft(drafter, [1, 2, 3], limit, SamplingParams(temperature=0.0), np.random.default_rng(0)).tokens)
+
+
+def modelled(verify: CostModel, draft_cost: CostModel | None, draft_max: int = 8) -> tuple[AdaptivePolicy, ScriptedDrafter]:
+    """An adaptive policy over a draft model (a scripted one that drafts whatever k it is asked for)."""
+    drafter = ScriptedDrafter(fallback=lambda context, k: list(range(1, k + 1)))
+    return AdaptivePolicy(drafter, verify, draft_max=draft_max, draft_costs=[draft_cost]), drafter
+
+
+class Alternating:
+    """A policy that hands the step to the chain's drafters in turn, k tokens each: which drafter drafts
+    must not depend on the target's future, and this depends on nothing but the step count."""
+
+    drafting_possible = True
+
+    def __init__(self, k: int, start: int = 0):
+        self.k = k
+        self.calls = start
+
+    def draft(self, drafter, context, limit, params, rng):
+        self.calls += 1
+        member = drafter.members[self.calls % len(drafter.members)]
+        draft = member.propose(context, min(self.k, limit), params, rng)
+        draft.drafter = member
+        return draft
+
+    def observe(self, step, emitted):
+        pass
+
+    def finish(self):
+        pass
 
 
 def make_draft_model(

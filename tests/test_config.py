@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from specchat.config import PROMPT_LOOKUP, ConfigError, ModelSpec, load_config
+from specchat.config import ConfigError, ModelSpec, load_config
+
+PROMPT_LOOKUP = "prompt-lookup"
 
 
 @pytest.fixture(autouse=True)
@@ -222,8 +224,29 @@ def test_bad_parts_models(tmp_path, monkeypatch, body, where, words):
 
 def test_a_pair_can_be_a_hybrid_and_the_key_is_checked(tmp_path, monkeypatch):
     cfg = load_config()
-    assert cfg.pairs["qwen-coder-hybrid"].lookup and not cfg.pairs["qwen-coder"].lookup
+    assert cfg.pairs["qwen-coder-hybrid"].drafts == ("prompt-lookup", "qwen2.5-coder-0.5b")
+    assert cfg.pairs["qwen-coder"].drafts == ("qwen2.5-coder-0.5b",)
     err = load_error(tmp_path, monkeypatch, '[pairs.p]\ntarget = "smollm2-135m"\ndraft = "prompt-lookup"\nlookup = true\n')
     assert err.key == "pairs.p.lookup" and "draft model" in str(err)
     err = load_error(tmp_path, monkeypatch, '[pairs.p]\ntarget = "smollm2-135m"\ndraft = "smollm2-135m"\nlookup = "yes"\n')
     assert err.key == "pairs.p.lookup" and "true or false" in str(err)
+
+
+def test_a_pairs_draft_can_be_a_chain(tmp_path, monkeypatch):
+    path = tmp_path / "chain.toml"
+    path.write_text('[pairs.c]\ntarget = "smollm2-135m"\ndraft = ["mtp", "prompt-lookup", "gemma-3-270m"]\n')
+    monkeypatch.setenv("SPECCHAT_CONFIG", str(path))
+    pair = load_config().pair("c")
+    assert pair.drafts == ("mtp", "prompt-lookup", "gemma-3-270m") and pair.draft == "mtp + prompt-lookup + gemma-3-270m"
+
+
+@pytest.mark.parametrize("draft, words", [
+    ("[]", "a string or an array of strings"),
+    ("[1, 2]", "a string or an array of strings"),
+    ('["mtp", "mtp"]', "names a drafter twice"),
+    ('["mtp", ""]', "must not be empty"),
+    ('["mtp", "no-such-model"]', "no-such-model"),
+])
+def test_a_bad_chain_is_one_line_with_its_key(tmp_path, monkeypatch, draft, words):
+    err = load_error(tmp_path, monkeypatch, f'[pairs.p]\ntarget = "smollm2-135m"\ndraft = {draft}\n')
+    assert words in str(err) and err.key == "pairs.p.draft" and "\n" not in str(err), str(err)

@@ -28,7 +28,8 @@ from fakes import (
 )
 from specchat import engine
 from specchat.backend import BackendError
-from specchat.drafters import Draft, PromptLookup
+from specchat.drafters import Draft
+from specchat.lookup import PromptLookup
 from specchat.engine import Finished, PromptTooLong, StepEvent, TokenEvent, generate
 from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams, apply_penalties, draft_confidence, process, process_rows
@@ -743,8 +744,8 @@ def test_prompt_lookup_no_match():
 def test_prompt_lookup_propose_is_deterministic():
     pl = PromptLookup(1, 3, draft_min=2)
     draft = pl.propose([1, 2, 3, 1, 2], 4, GREEDY, np.random.default_rng(0))
-    assert draft.tokens == [3, 1, 2, 3] and draft.q == [None] * 4 and draft.match_len == 2
-    assert draft.agree == draft.seen == 1  # one earlier [1, 2], followed by 3
+    assert draft.tokens == [3, 1, 2, 3] and draft.q == [None] * 4 and draft.evidence.match_len == 2
+    assert draft.evidence.agree == draft.evidence.seen == 1  # one earlier [1, 2], followed by 3
     assert pl.propose([1, 2, 3, 1, 2], 0, GREEDY, np.random.default_rng(0)).tokens == []
     assert pl.find([5, 6, 2, 2], 4) == ([2, 2, 2, 2], 1)  # a one-token loop
     assert pl.propose([5, 6, 2, 2], 1, GREEDY, np.random.default_rng(0)).tokens == []  # 1 token < draft_min
@@ -888,18 +889,19 @@ sys.path[:0] = [{str(tests)!r}, {str(tests.parent)!r}]
 import numpy as np
 import specchat.cli  # everything the CLI loads before a model
 from fakes import FakeBackend, markov_logits
-from specchat.drafters import PromptLookup
+from specchat.lookup import PromptLookup
 from specchat.engine import generate
 from specchat.costs import reference_cost_model
-from specchat.policy import LookupPolicy
+from specchat.policy import AdaptivePolicy
 from specchat.sampling import SamplingParams
 table = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32) * 3
 before = set(sys.modules)
 for params in (SamplingParams(temperature=0.0, banned=(3, 5)), SamplingParams(temperature=0.8, seed=1, banned=(3,),
                repeat_penalty=1.1, frequency_penalty=0.2, repeat_last_n=16)):
     target = FakeBackend(markov_logits(table), 32)
-    policy = LookupPolicy(reference_cost_model(), draft_max=16)
-    for _ in generate(target, PromptLookup(1, 8), [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], params, max_tokens=40, policy=policy):
+    lookup = PromptLookup(1, 8)
+    policy = AdaptivePolicy(lookup, reference_cost_model(), draft_max=16)
+    for _ in generate(target, lookup, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], params, max_tokens=40, policy=policy):
         pass
 print(sorted(set(sys.modules) - before))
 """

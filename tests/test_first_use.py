@@ -31,7 +31,7 @@ import pytest
 from fakes import CHATML, FakeBackend
 
 from specchat import chat, transcript, ui
-from specchat.drafters import PromptLookup
+from specchat.lookup import PromptLookup
 from specchat.loader import Loaded
 from specchat.costs import CostModel
 from specchat.runner import Terminated

@@ -20,7 +20,9 @@ from specchat import Conversation
 from specchat.backend import BackendError, Eagle3Head, MemoryKind, MtpHead
 from specchat.drafters import HeadDrafter
 from specchat.engine import Finished, StepEvent, TokenEvent, generate
-from specchat.policy import POLICIES, DraftModelPolicy, FixedPolicy
+from specchat import kinds
+from specchat.drafters import ModelDrafting
+from specchat.policy import AdaptivePolicy, FixedPolicy
 from specchat.sampling import SamplingParams, process
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -200,7 +202,7 @@ def test_head_catch_up_evaluates_each_entry_once():
 
 def test_mtp_kind_is_learned_like_a_draft_model():
     target, drafter = fake_pair()
-    assert drafter.kind == "mtp" and POLICIES["mtp"] is DraftModelPolicy
+    assert drafter.kind is kinds.MTP and isinstance(drafter, ModelDrafting) and drafter.kind.cost == "head"
     assert drafter.backend is drafter.head
 
 
@@ -393,7 +395,7 @@ def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_pat
     draft-model policy learns its per-token cost from the steps."""
     from specchat.loader import Loaded
     from specchat.costs import cost_cache_key
-    from specchat.policy import make_policy
+    from specchat.loader import make_policy
 
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
     path, _ = mtp_files
@@ -403,17 +405,20 @@ def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_pat
         drafter = HeadDrafter(head, target)
         loaded = Loaded(target, drafter, None, None, "mtp")
         policy = make_policy(loaded, 4, None, remember=False)
-        assert isinstance(policy, DraftModelPolicy) and policy.draft_cost is not None
+        assert isinstance(policy, AdaptivePolicy)
+        draft_cost = policy.members[0].draft_cost
+        assert draft_cost is not None
         assert cost_cache_key(head) != cost_cache_key(target)
         from specchat.stats import StepStats
 
-        before = policy.draft_cost.scale
-        per_token = policy.draft_cost.costs(1)[1]
+        before = draft_cost.scale
+        per_token = draft_cost.costs(1)[1]
         # a step whose 3 drafted tokens took 3x what the calibration says: the per-token cost goes up
         step = StepStats(step=0, drafted=3, accepted=2, emitted=3, decided=3, draft_seconds=9 * per_token,
                          verify_seconds=0.001, planned=3, source="mtp")
-        policy.observe(step, [1, 2, 3], [1, 2, 4])
-        assert policy.draft_cost.scale > before
+        policy.draft(drafter, [1, 2, 3, 4], 3, SamplingParams(temperature=0.0), np.random.default_rng(0))
+        policy.observe(step, [1, 2, 4])
+        assert draft_cost.scale > before
     finally:
         head.close()
         target.close()

@@ -9,7 +9,8 @@ import pytest
 import tiny_models
 
 from specchat import Conversation
-from specchat.drafters import DraftModel, PromptLookup
+from specchat.drafters import DraftModel
+from specchat.lookup import PromptLookup
 from specchat.engine import Finished, TokenEvent, generate
 from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams

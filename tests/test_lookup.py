@@ -8,13 +8,33 @@ import json
 import numpy as np
 import pytest
 
-from specchat.drafters import (
-    CANDIDATES, HISTORY_LEAD, HISTORY_MIN, ORDER, Draft, FrozenNgramIndex, HybridDrafter, NgramHistory, NgramIndex, PromptLookup, find_match,
+from specchat.lookup import (
+
+    CANDIDATES,
+
+    HISTORY_LEAD,
+
+    HISTORY_MIN,
+
+    ORDER,
+
+    FrozenNgramIndex,
+
+    NgramHistory,
+
+    NgramIndex,
+
+    PromptLookup,
+
+    find_match,
+
 )
+
+from specchat.drafters import Chain, Draft, own_backends
 from specchat.engine import generate
 from specchat.history import earlier_replies, reply_history, save_replies
 from specchat.costs import CALIBRATION_SIZES, CostModel
-from specchat.policy import (
+from specchat.lookup import (
     FRESH_FIRST,
     FRESH_TRUSTED,
     HISTORY_FIRST,
@@ -23,20 +43,18 @@ from specchat.policy import (
     SPAN_LONG,
     SPAN_MAX,
     UNCOPIED_MIN,
-    best_length,
-    AcceptanceStore,
-    DraftModelPolicy,
-    HybridPolicy,
-    LookupPolicy,
-    FixedPolicy,
     LookupAcceptance,
     match_bucket,
     agreement,
 )
+from specchat.policy import AcceptanceStore, AdaptivePolicy, FixedPolicy, best_length
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
 
-from fakes import ALPHA, FakeBackend, chi2_pvalue, detection_power, first_two_emitted, make_draft_model, markov_logits
+from fakes import (
+    ALPHA, Alternating, FakeBackend, ScriptedDrafter, SetLookup, chi2_pvalue, detection_power, first_two_emitted, found,
+    make_draft_model, markov_logits, sent,
+)
 
 CPU = CostModel([1, 2, 4, 8, 16, 32, 64], [0.015, 0.025, 0.038, 0.069, 0.101, 0.19, 0.37])
 GPU = CostModel([1, 2, 4, 8, 16, 32, 64], [0.020, 0.0202, 0.0205, 0.021, 0.022, 0.024, 0.028])
@@ -163,7 +181,7 @@ def test_history_match_wins_only_when_longer_by_a_lead_and_stops_at_the_reply_en
     assert (tokens, length) == ([7, 61, 62, 7], 2) and not lookup.last_from_history  # around the loop
     # nothing in the context: a history match of HISTORY_MIN tokens is used (35..42: 8 tokens) ...
     draft = lookup.propose([1, 35, 36, 37, 38, 39, 40, 41, 42], 4, GREEDY, np.random.default_rng(0))
-    assert draft.source == "history" and draft.tokens == [43, 44] and draft.match_len == 8
+    assert draft.source == "history" and draft.tokens == [43, 44] and draft.evidence.match_len == 8
     # ... a shorter one is not (36..42: 7 tokens; 40, 41, 42: 3): it is a common phrase, not a copy
     for context in ([1, 36, 37, 38, 39, 40, 41, 42], [1, 40, 41, 42]):
         assert lookup.find(context, 4) == ([], 0) and not lookup.last_from_history
@@ -241,59 +259,67 @@ def test_a_fresh_short_match_does_not_borrow_the_record_of_copied_spans():
 
 
 def test_long_matches_learn_long_drafts_short_ones_do_not():
-    policy = LookupPolicy(GPU, draft_max=64)
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, GPU, draft_max=64)
     long_tokens, short_tokens = list(range(64)), list(range(64))
     for _ in range(30):
-        n = policy.trim(Draft(long_tokens, match_len=24))
-        policy.observe(step(n, n), long_tokens, long_tokens[: n + 1])  # long matches: all accepted
-        n = policy.trim(Draft(short_tokens, match_len=1))
-        policy.observe(step(n, min(n, 1)), short_tokens, short_tokens[:2])  # 1-grams: one token at most
-    assert policy.trim(Draft(long_tokens, match_len=24)) >= 32
-    assert policy.trim(Draft(short_tokens, match_len=1)) <= 4
+        n = sent(policy, lookup, found(long_tokens, 24), limit=64)
+        policy.observe(step(n, n), long_tokens[: n + 1])  # long matches: all accepted
+        n = sent(policy, lookup, found(short_tokens, 1), limit=64)
+        policy.observe(step(n, min(n, 1)), short_tokens[:2])  # 1-grams: one token at most
+    assert sent(policy, lookup, found(long_tokens, 24), limit=64) >= 32
+    assert sent(policy, lookup, found(short_tokens, 1), limit=64) <= 4
 
 
 # -- estimates kept across processes ---------------------------------------------------------------------
 
 
 def trained_policy(store, match_len=20):
-    policy = LookupPolicy(CPU, draft_max=64, store=store)
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CPU, draft_max=64, stores=[store])
     tokens = list(range(64))
     for _ in range(40):
-        n = policy.trim(Draft(tokens, match_len=match_len))
-        policy.observe(step(n, n), tokens, tokens[: n + 1])
-    return policy
+        n = sent(policy, lookup, found(tokens, match_len), limit=64)
+        policy.observe(step(n, n), tokens[: n + 1])
+    return policy, lookup
+
+
+def model_policy(store=None) -> tuple[AdaptivePolicy, ScriptedDrafter]:
+    model = ScriptedDrafter(fallback=lambda context, k: list(range(1, k + 1)))
+    return AdaptivePolicy(model, GPU, draft_max=8, draft_costs=[CostModel([1, 2], [0.001, 0.002])], stores=[store]), model
 
 
 def trained_model_policy(store, accepted: int, rounds: int = 40):
     """A draft-model policy whose drafts of 8 were accepted `accepted` tokens deep, `rounds` times."""
-    policy = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]), store=store)
+    policy, model = model_policy(store)
     for _ in range(rounds):
-        policy.observe(step(8, accepted, source="draft-model"), [], [])
-    return policy
+        assert sent(policy, model, limit=8) > 0  # it drafts (the prior and what it saw say so)
+        policy.observe(step(8, accepted, source="draft-model"), [])
+    return policy, model
 
 
 def test_a_fresh_process_starts_from_what_earlier_runs_learned_of_a_draft_model(tmp_path):
     path = tmp_path / "acceptance.json"
-    cold = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]))
-    trained_model_policy(AcceptanceStore(path, "target|draft"), accepted=8).finish()
-    warm = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]),
-                            store=AcceptanceStore(path, "target|draft"))
-    assert (warm.model_acceptance.rates(8) > cold.model_acceptance.rates(8)).all()
+    _, cold = model_policy()
+    policy, _ = trained_model_policy(AcceptanceStore(path, "target|draft"), accepted=8)
+    policy.finish()
+    _, warm = model_policy(AcceptanceStore(path, "target|draft"))
+    assert (warm.acceptance.rates(8) > cold.acceptance.rates(8)).all()
     # discounted: at most TRUST observations per position carry over
-    assert 0 < warm.model_acceptance.tries.max() <= AcceptanceStore.TRUST + 1e-9
+    assert 0 < warm.acceptance.tries.max() <= AcceptanceStore.TRUST + 1e-9
     # another target or drafter does not see them
-    other = DraftModelPolicy(GPU, draft_max=8, store=AcceptanceStore(path, "other|draft"))
-    assert other.model_acceptance.tries.sum() == 0
+    _, other = model_policy(AcceptanceStore(path, "other|draft"))
+    assert other.acceptance.tries.sum() == 0
 
 
 def test_a_draft_models_saved_estimates_are_not_trusted_blindly(tmp_path):
     path = tmp_path / "acceptance.json"
-    trained_model_policy(AcceptanceStore(path, "k"), accepted=8).finish()
-    warm = trained_model_policy(AcceptanceStore(path, "k"), accepted=0, rounds=0)
-    assert warm.model_acceptance.rates(1)[0] > 0.75
+    trained_model_policy(AcceptanceStore(path, "k"), accepted=8)[0].finish()
+    _, warm = trained_model_policy(AcceptanceStore(path, "k"), accepted=0, rounds=0)
+    assert warm.acceptance.rates(1)[0] > 0.75
     # this conversation is different: the model's first token is now rejected every time
-    policy = trained_model_policy(AcceptanceStore(path, "k"), accepted=0, rounds=6)
-    assert policy.model_acceptance.rates(1)[0] < 0.4
+    _, model = trained_model_policy(AcceptanceStore(path, "k"), accepted=0, rounds=6)
+    assert model.acceptance.rates(1)[0] < 0.4
 
 
 def test_lookup_estimates_belong_to_one_conversation(tmp_path):
@@ -302,22 +328,26 @@ def test_lookup_estimates_belong_to_one_conversation(tmp_path):
     process (a chat's turns) the policy keeps what it learned."""
     path = tmp_path / "acceptance.json"
     tokens = list(range(64))
-    cold = LookupPolicy(CPU, draft_max=64).trim(Draft(tokens, match_len=4))
-    trained = trained_policy(AcceptanceStore(path, "target|prompt-lookup"), match_len=4)
-    assert trained.trim(Draft(tokens, match_len=4)) > cold  # this conversation's evidence counts
+    fresh = SetLookup()
+    cold = sent(AdaptivePolicy(fresh, CPU, draft_max=64), fresh, found(tokens, 4), limit=64)
+    trained, lookup = trained_policy(AcceptanceStore(path, "target|prompt-lookup"), match_len=4)
+    assert sent(trained, lookup, found(tokens, 4), limit=64) > cold  # this conversation's evidence counts
     trained.finish()
-    assert not path.exists()  # lookup alone keeps nothing: no file written
-    warm = LookupPolicy(CPU, draft_max=64, store=AcceptanceStore(path, "target|prompt-lookup"))
-    assert warm.lookup.tries.sum() == 0
-    assert warm.trim(Draft(tokens, match_len=4)) == cold
-    # a hybrid keeps its model's estimates and not its lookup's
-    hybrid = HybridPolicy(CPU, draft_max=64, draft_cost=CostModel([1, 2], [0.001, 0.002]),
-                          store=AcceptanceStore(path, "target|hybrid"))
-    hybrid.lookup.record(4, 3, 4)
-    hybrid.model_acceptance.record(2, 3)
-    hybrid.finish()
-    saved = AcceptanceStore(path, "target|hybrid").load()
-    assert "model" in saved and "lookup" not in saved
+    assert not path.exists()  # lookup keeps nothing: no file written
+    again = SetLookup()
+    warm = AdaptivePolicy(again, CPU, draft_max=64, stores=[AcceptanceStore(path, "target|prompt-lookup")])
+    assert again.acceptance.tries.sum() == 0
+    assert sent(warm, again, found(tokens, 4), limit=64) == cold
+    # in a chain, the model keeps its estimates and lookup keeps none
+    chained, model = SetLookup(), ScriptedDrafter()
+    chain = AdaptivePolicy(Chain([chained, model]), CPU, draft_max=64,
+                           draft_costs=[None, CostModel([1, 2], [0.001, 0.002])],
+                           stores=[AcceptanceStore(path, "target|lookup"), AcceptanceStore(path, "target|model")])
+    chained.acceptance.record(4, 3, 4)
+    model.acceptance.record(2, 3)
+    chain.finish()
+    assert AcceptanceStore(path, "target|lookup").load() == {}
+    assert "model" in AcceptanceStore(path, "target|model").load()
 
 
 def _table(first: int) -> bytes:
@@ -347,30 +377,30 @@ HITS_BAD, HITS_NEG, TRIES_ONE = _table(5), _table(-1), _table(1)  # more hits th
     b'{"version": 1, "entries": {"k": {"tables": {"banana": {}, "99,1,0": {"hits": [0], "tries": [0]}, "model": "x"}}}}',
     b'{"version": 1, "entries": {"k": {"tables": {"16,1,0": {"hits": ["NaN", 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
     # today's version, malformed draft-model tables: more hits than tries, a negative count, NaN, wrong shape
-    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": [5, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
-    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": [-1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
-    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": ["NaN", 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
-    b'{"version": 5, "entries": {"k": {"tables": {"model": {"hits": [1, 2], "tries": [1, 2]}}}}}',
-    b'{"version": 5, "entries": {"k": {"tables": "x"}}}',
+    b'{"version": 6, "entries": {"k": {"tables": {"model": {"hits": [5, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 6, "entries": {"k": {"tables": {"model": {"hits": [-1, 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 6, "entries": {"k": {"tables": {"model": {"hits": ["NaN", 0, 0, 0, 0, 0, 0, 0], "tries": [1, 0, 0, 0, 0, 0, 0, 0]}}}}}',
+    b'{"version": 6, "entries": {"k": {"tables": {"model": {"hits": [1, 2], "tries": [1, 2]}}}}}',
+    b'{"version": 6, "entries": {"k": {"tables": "x"}}}',
 ])
 def test_a_corrupt_or_foreign_cache_file_is_ignored_and_replaced(tmp_path, content):
     path = tmp_path / "acceptance.json"
     path.write_bytes(content)
-    policy = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=0)
-    assert policy.model_acceptance.tries.sum() == 0  # nothing malformed was taken in
-    policy = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=2)
+    _, model = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=0)
+    assert model.acceptance.tries.sum() == 0  # nothing malformed was taken in
+    policy, _ = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=2)
     policy.finish()
     doc = json.loads(path.read_text())
     assert doc["version"] == AcceptanceStore.VERSION and "k" in doc["entries"]
-    again = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=0)
-    assert again.model_acceptance.tries.sum() > 0
+    _, again = trained_model_policy(AcceptanceStore(path, "k"), accepted=3, rounds=0)
+    assert again.acceptance.tries.sum() > 0
 
 
 def test_an_unwritable_cache_is_not_an_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     store = AcceptanceStore(blocker / "acceptance.json", "k")  # its parent is a file
-    policy = trained_model_policy(store, accepted=3)
+    policy, _ = trained_model_policy(store, accepted=3)
     policy.finish()  # no exception
     assert store.load() == {}
 
@@ -381,50 +411,58 @@ def test_engine_saves_estimates_when_a_generation_ends(tmp_path):
     target = FakeBackend(lambda ctx: np.eye(8)[wanted[len(ctx) % len(wanted)]] * 9, 8)
     model, _ = make_draft_model(lambda ctx: np.eye(8)[wanted[len(ctx) % len(wanted)]] * 9, 8)
     # cost models of their own: the engine teaches them the fakes' microsecond timings, which must not reach GPU
-    policy = DraftModelPolicy(CostModel(GPU.sizes, GPU.seconds), draft_max=4, draft_cost=CostModel([1, 2], [0.001, 0.002]),
-                              store=AcceptanceStore(path, "k"))
+    policy = AdaptivePolicy(model, CostModel(GPU.sizes, GPU.seconds), draft_max=4,
+                            draft_costs=[CostModel([1, 2], [0.001, 0.002])], stores=[AcceptanceStore(path, "k")])
     for _ in generate(target, model, wanted[:12], GREEDY, max_tokens=20, policy=policy):
         pass
     saved = AcceptanceStore(path, "k").load()
     assert saved["model"]["tries"][0] > 0
 
 
-# -- the hybrid drafter -------------------------------------------------------------------------------------
+# -- a chain of lookup and a draft model (llama.cpp: a draft model with --spec-type ngram-*) -----------------
 
 
-def hybrid_policy(verify, draft_cost, model_hits=None):
-    policy = HybridPolicy(verify, draft_max=16, draft_cost=draft_cost)
+def chain_policy(verify, draft_cost, model_hits=None):
+    lookup, model = SetLookup(), ScriptedDrafter(fallback=lambda context, k: list(range(1, k + 1)))
+    policy = AdaptivePolicy(Chain([lookup, model]), verify, draft_max=16, draft_costs=[None, draft_cost])
     if model_hits is not None:
         for _ in range(40):
-            policy.model_acceptance.record(int(8 * model_hits), 8)
-    return policy
+            model.acceptance.record(int(8 * model_hits), 8)
+    return policy, lookup, model
 
 
-def test_hybrid_chooses_lookup_on_a_long_match_even_where_the_model_is_cheap():
-    policy = hybrid_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.9)
+def chosen(policy, lookup, proposal: Draft):
+    """(the drafter whose draft the policy sends, how many tokens), lookup having found `proposal`."""
+    lookup.next = proposal
+    draft = policy.draft(None, [1, 2, 3], 16, GREEDY, np.random.default_rng(0))
+    return draft.drafter, len(draft.tokens)
+
+
+def test_a_chain_chooses_lookup_on_a_long_match_even_where_the_model_is_cheap():
+    policy, lookup, _ = chain_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.9)
     for _ in range(20):  # long matches have been accepted
-        policy.lookup.record(16, 8, 8)
-    source, k = policy.choose(Draft(list(range(16)), match_len=20), 16)
-    assert source == "prompt-lookup" and k >= 8
+        lookup.acceptance.record(16, 8, 8)
+    who, k = chosen(policy, lookup, found(range(16), 20))
+    assert who is lookup and k >= 8
 
 
-def test_hybrid_chooses_the_model_without_a_match():
-    policy = hybrid_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.8)
-    source, k = policy.choose(Draft(), 16)
-    assert source == "draft-model" and k > 0
+def test_a_chain_chooses_the_model_without_a_match():
+    policy, lookup, model = chain_policy(GPU, CostModel([1, 2], [0.001, 0.002]), model_hits=0.8)
+    who, k = chosen(policy, lookup, Draft())
+    assert who is model and k > 0
     # a poor 1-token match loses to a good model too
     for _ in range(20):
-        policy.lookup.record(1, 0, 4)
-    assert policy.choose(Draft(list(range(4)), match_len=1), 16)[0] == "draft-model"
+        lookup.acceptance.record(1, 0, 4)
+    assert chosen(policy, lookup, found(range(4), 1))[0] is model
 
 
-def test_hybrid_drafts_nothing_when_neither_pays():
+def test_a_chain_drafts_nothing_when_neither_pays():
     # a CPU: verifying costs grow fast; a model half as costly as the target; short matches rejected
-    policy = hybrid_policy(CPU, CostModel([1, 2], [0.0075, 0.015]), model_hits=0.3)
+    policy, lookup, _ = chain_policy(CPU, CostModel([1, 2], [0.0075, 0.015]), model_hits=0.3)
     for _ in range(20):
-        policy.lookup.record(1, 0, 4)
-    assert policy.choose(Draft(list(range(4)), match_len=1), 16) == ("none", 0)
-    assert policy.choose(Draft(), 16) == ("none", 0)
+        lookup.acceptance.record(1, 0, 4)
+    assert chosen(policy, lookup, found(range(4), 1)) == (None, 0)
+    assert chosen(policy, lookup, Draft()) == (None, 0)
 
 
 MV = 6
@@ -433,15 +471,13 @@ TARGET = _rs.normal(0, 1.0, (MV, MV)) + 1.5 * np.eye(MV)
 DRAFT = TARGET + _rs.normal(0, 0.8, (MV, MV))
 
 
-def test_hybrid_through_the_engine_reports_both_sources():
+def test_a_chain_through_the_engine_reports_both_sources():
     target = FakeBackend(markov_logits(TARGET), MV)
     model, _ = make_draft_model(markov_logits(DRAFT), MV)
-    hybrid = HybridDrafter(PromptLookup(1, 32), model)
-    calls = iter(range(1000))
-    hybrid.choose = lambda found, limit: ("prompt-lookup", len(found.tokens)) if next(calls) % 2 and found.tokens else ("draft-model", 3)
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
     finished = None
-    for event in generate(target, hybrid, [1, 2, 3, 1, 2], params, max_tokens=60, policy=FixedPolicy(3)):
+    for event in generate(target, Chain([PromptLookup(1, 32), model]), [1, 2, 3, 1, 2], params, max_tokens=60,
+                          policy=Alternating(3)):
         finished = event
     assert set(finished.stats.drafted_by) == {"prompt-lookup", "draft-model"}
     assert finished.stats.drafted == sum(finished.stats.drafted_by.values())
@@ -454,8 +490,9 @@ def first_two_counts(make_drafter, prompt, params, n, seed):
     drafter = make_drafter()
     for _ in range(n):
         target.truncate(0)
-        drafter.backend.truncate(0)
-        got = first_two_emitted(generate(target, drafter, prompt, params, max_tokens=6, policy=FixedPolicy(3), rng=rng))
+        for backend in own_backends(drafter):
+            backend.truncate(0)
+        got = first_two_emitted(generate(target, drafter, prompt, params, max_tokens=6, policy=Alternating(2), rng=rng))
         counts[got[0], got[1]] += 1
     return counts
 
@@ -472,64 +509,54 @@ def expected_first_two(prompt, params):
     return joint
 
 
-HYBRID_DRAWS = 20_000  # 36 joint cells: power >= 0.85 against a 3% error in one of them
+CHAIN_DRAWS = 20_000  # 36 joint cells: power >= 0.85 against a 3% error in one of them
 
 
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
     SamplingParams(temperature=0.7, top_k=4, top_p=0.9, min_p=0.05, repeat_penalty=1.2),
 ])
-def test_hybrid_is_lossless(params):
+def test_a_chain_of_lookup_and_a_model_is_lossless(params):
     """Lookup (one-hot q) on some steps, the sampled draft model on others, within one generation."""
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
 
     def make():
         model, _ = make_draft_model(markov_logits(DRAFT), MV)
-        hybrid = HybridDrafter(PromptLookup(1, 32), model)
-        flip = iter(range(10**9))
-        # which source drafts must not depend on the target's future: here it alternates per call
-        hybrid.choose = lambda found, limit: ("prompt-lookup", len(found.tokens)) if next(flip) % 2 and found.tokens else ("draft-model", 2)
-        return hybrid
+        return Chain([PromptLookup(1, 32), model])
 
     expected = expected_first_two(prompt, params)
-    assert detection_power(HYBRID_DRAWS, expected, delta=0.03) >= 0.85
-    counts = first_two_counts(make, prompt, params, HYBRID_DRAWS, seed=21)
+    assert detection_power(CHAIN_DRAWS, expected, delta=0.03) >= 0.85
+    counts = first_two_counts(make, prompt, params, CHAIN_DRAWS, seed=21)
     pvalue = chi2_pvalue(counts, expected)
-    assert pvalue > ALPHA, f"p={pvalue:.2e}\n{counts / HYBRID_DRAWS}\n{expected}"
+    assert pvalue > ALPHA, f"p={pvalue:.2e}\n{counts / CHAIN_DRAWS}\n{expected}"
 
 
-def test_hybrid_check_catches_a_lookup_treated_as_sampled():
+def test_the_chain_check_catches_a_lookup_treated_as_sampled():
     """Power: the same check fails when lookup's one-hot proposal is verified as if q were uniform."""
-    from specchat import drafters as drafters_module
-
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     uniform = np.full(MV, 1.0 / MV)
 
-    class WrongQ(HybridDrafter):
+    class WrongQ(PromptLookup):
         def propose(self, context, k, params, rng):
             draft = super().propose(context, k, params, rng)
-            if draft.source == "prompt-lookup":
-                draft.q = [uniform] * len(draft.tokens)
+            draft.q = [uniform] * len(draft.tokens)
             return draft
 
     def make():
         model, _ = make_draft_model(markov_logits(DRAFT), MV)
-        hybrid = WrongQ(PromptLookup(1, 32), model)
-        hybrid.choose = lambda found, limit: ("prompt-lookup", len(found.tokens)) if found.tokens else ("draft-model", 2)
-        return hybrid
+        return Chain([WrongQ(1, 32), model])
 
-    assert drafters_module.HybridDrafter is HybridDrafter
     counts = first_two_counts(make, prompt, params, 3_000, seed=22)
     assert chi2_pvalue(counts, expected_first_two(prompt, params)) < 1e-6
 
 
-def test_hybrid_default_chooser_prefers_a_match():
+def test_a_fixed_length_chain_sends_lookups_match_first():
     model, _ = make_draft_model(markov_logits(DRAFT), MV)
-    hybrid = HybridDrafter(PromptLookup(1, 32), model)
-    draft = hybrid.propose([1, 2, 3, 1, 2], 3, GREEDY, np.random.default_rng(0))
+    chain = Chain([PromptLookup(1, 32), model])
+    draft = FixedPolicy(3).draft(chain, [1, 2, 3, 1, 2], 3, GREEDY, np.random.default_rng(0))
     assert draft.source == "prompt-lookup" and draft.tokens == [3, 1, 2]
-    draft = hybrid.propose([1, 2, 3, 4, 5], 3, GREEDY, np.random.default_rng(0))
+    draft = FixedPolicy(3).draft(chain, [1, 2, 3, 4, 5], 3, GREEDY, np.random.default_rng(0))
     assert draft.source == "draft-model" and len(draft.tokens) == 3
 
 
@@ -541,12 +568,14 @@ def test_selection_follows_the_pair_and_the_flag():
     from specchat.loader import select
 
     cfg = load_config()
-    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False).hybrid
-    assert not select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False, hybrid=False).hybrid
-    assert select(cfg, pair="qwen-coder", target=None, draft=None, no_spec=False, hybrid=True).hybrid
+    chain = ("prompt-lookup", "qwen2.5-coder-0.5b")
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False).drafts == chain
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=False,
+                  hybrid=False).drafts == chain[1:]
+    assert select(cfg, pair="qwen-coder", target=None, draft=None, no_spec=False, hybrid=True).drafts == chain
     # -md prompt-lookup leaves nothing to fall back on; --no-spec leaves no drafter at all
-    assert not select(cfg, pair="qwen-coder-hybrid", target=None, draft="prompt-lookup", no_spec=False).hybrid
-    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=True) .draft is None
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft="prompt-lookup", no_spec=False).drafts == chain[:1]
+    assert select(cfg, pair="qwen-coder-hybrid", target=None, draft=None, no_spec=True).draft is None
 
 
 @pytest.mark.real
@@ -566,8 +595,8 @@ def test_hybrid_pair_runs_and_says_which_source_drafted(measured_home):
     assert sum(by.values()) == doc["stats"]["drafted"] and set(by) <= {"prompt-lookup", "draft-model", "history"}
     path = measured_home / ".cache" / "acceptance.json"
     entries = json.loads(path.read_text())["entries"] if path.exists() else {}
-    mine = [e for e in entries.values() if "prompt-lookup + smollm2-135m" in e["label"]]
-    assert all("lookup" not in e["tables"] for e in mine)
+    assert not [e for e in entries.values() if "prompt-lookup" in e["label"]]  # lookup keeps nothing
+    mine = [e for e in entries.values() if "draft-model smollm2-135m" in e["label"]]
     if by.get("draft-model"):  # the model drafted: what it showed is kept
         assert mine and "model" in mine[0]["tables"]
     else:
@@ -577,33 +606,34 @@ def test_hybrid_pair_runs_and_says_which_source_drafted(measured_home):
 def test_a_draft_from_earlier_replies_earns_its_length_in_this_conversation():
     """Estimates learned elsewhere say history drafts are always right; this run has not seen one yet:
     the first may send HISTORY_FIRST tokens, each taken whole doubles that, a miss brings it back."""
-    policy = LookupPolicy(GPU, draft_max=64)
-    for state in policy.lookup._table[1]:  # every history estimate near certain
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, GPU, draft_max=64)
+    for state in lookup.acceptance._table[1]:  # every history estimate near certain
         state[:] = [0.999] * len(state)
     tokens = list(range(64))
-    sent = policy.trim(Draft(tokens, match_len=32, source="history"))
-    assert sent == HISTORY_FIRST
-    lengths = [sent]
+    n = sent(policy, lookup, found(tokens, 32, history=True), limit=64)
+    assert n == HISTORY_FIRST
+    lengths = [n]
     for _ in range(3):  # taken whole
-        policy.observe(step(sent, sent, "history"), tokens, tokens[: sent + 1])
-        sent = policy.trim(Draft(tokens, match_len=32, source="history"))
-        lengths.append(sent)
+        policy.observe(step(n, n, "history"), tokens[: n + 1])
+        n = sent(policy, lookup, found(tokens, 32, history=True), limit=64)
+        lengths.append(n)
     assert lengths == [HISTORY_FIRST, 2 * HISTORY_FIRST, 4 * HISTORY_FIRST, 8 * HISTORY_FIRST]
-    policy.observe(step(sent, 3, "history"), tokens, tokens[:3] + [999])  # a miss at the fourth
-    assert policy.trim(Draft(tokens, match_len=32, source="history")) == HISTORY_FIRST
+    policy.observe(step(n, 3, "history"), tokens[:3] + [999])  # a miss at the fourth
+    assert sent(policy, lookup, found(tokens, 32, history=True), limit=64) == HISTORY_FIRST
     # the conversation's own text is not held back: the same evidence from the context sends more
-    assert policy.trim(Draft(tokens, match_len=32)) > HISTORY_FIRST
+    assert sent(policy, lookup, found(tokens, 32), limit=64) > HISTORY_FIRST
 
 
 def test_a_continuation_that_held_each_time_is_trusted_more_than_a_fresh_match():
     lookup = PromptLookup(1, 32)
     loop = [7, 8, 9, 10, 11]
     draft = lookup.propose([1, 2, *loop, *loop, *loop, 3, 7], 8, GREEDY, np.random.default_rng(0))
-    assert draft.tokens == [8, 9, 10, 11, 3, 7, 8, 9] and (draft.agree, draft.seen) == (3, 3)
-    assert agreement(draft) == LookupAcceptance.AGREED
-    once = lookup.propose([1, 2, *loop, 3, 7], 8, GREEDY, np.random.default_rng(0))
+    assert draft.tokens == [8, 9, 10, 11, 3, 7, 8, 9] and (draft.evidence.agree, draft.evidence.seen) == (3, 3)
+    assert agreement(draft.evidence) == LookupAcceptance.AGREED
+    once = lookup.propose([1, 2, *loop, 3, 7], 8, GREEDY, np.random.default_rng(0)).evidence
     assert (once.agree, once.seen) == (1, 1) and agreement(once) == LookupAcceptance.SINGLE
-    split = lookup.propose([7, 8, 1, 7, 9, 2, 7], 8, GREEDY, np.random.default_rng(0))
+    split = lookup.propose([7, 8, 1, 7, 9, 2, 7], 8, GREEDY, np.random.default_rng(0)).evidence
     assert (split.agree, split.seen) == (1, 2)  # 7 went on with 9 and with 8
     assert agreement(split) == LookupAcceptance.CONTESTED
     acc = LookupAcceptance()
@@ -648,31 +678,34 @@ def test_a_long_copy_is_drafted_as_far_as_its_match_earns_at_the_cheapest_batch(
     and a draft from earlier replies are not stretched."""
     tokens = list(range(64))
 
-    def sent(match_len, *, in_span=True, source="prompt-lookup"):
-        policy = LookupPolicy(CostModel(GEMMA.sizes, GEMMA.seconds, measured=True), draft_max=64)
-        policy.lookup.after_miss = not in_span
-        return policy.trim(Draft(tokens, match_len=match_len, source=source)), policy
+    def sending(match_len, *, in_span=True, history=False):
+        lookup = SetLookup()
+        policy = AdaptivePolicy(lookup, CostModel(GEMMA.sizes, GEMMA.seconds, measured=True), draft_max=64)
+        lookup.acceptance.after_miss = not in_span
+        return sent(policy, lookup, found(tokens, match_len, history), limit=64), lookup
 
-    n, policy = sent(13)
+    n, lookup = sending(13)
     assert n + 1 == GEMMA.cheapest_batch(2, 4 * 13 + 1) == 48
     # the estimates alone, without the stretch, would send less
-    assert 0 < best_length(policy.lookup.rates(13, 64), GEMMA, 0.0, 0.0, LOOKUP_MARGIN)[0] < n
-    n9, _ = sent(SPAN_LONG + 1)
+    assert 0 < best_length(lookup.acceptance.rates(13, 64), GEMMA, 0.0, 0.0, LOOKUP_MARGIN)[0] < n
+    n9, _ = sending(SPAN_LONG + 1)
     assert n9 + 1 == GEMMA.cheapest_batch(2, SPAN_FACTOR * (SPAN_LONG + 1) + 1) < 48  # 4 x 9: up to 37
-    fresh, _ = sent(13, in_span=False)
+    fresh, _ = sending(13, in_span=False)
     assert fresh < n
-    short, _ = sent(SPAN_LONG - 2)
+    short, _ = sending(SPAN_LONG - 2)
     assert short < n9
-    history, _ = sent(13, source="history")
+    history, _ = sending(13, history=True)
     assert history <= HISTORY_FIRST
     # where 64 costs least per token (a later calibration of the same machine), no further than SPAN_MAX
     cheap64 = CostModel(list(CALIBRATION_SIZES), [s * n for s, n in zip(
         (9.8, 11.4, 10.6, 8.5, 10.5, 8.3, 8.6, 4.8, 4.2, 3.2, 3.1, 3.2, 3.0, 3.3, 2.9, 2.8, 2.8, 2.7), CALIBRATION_SIZES)],
         measured=True)
     assert cheap64.cheapest_batch(2, 64) == 64
-    policy = LookupPolicy(CostModel(cheap64.sizes, [x / 1000 for x in cheap64.seconds], measured=True), draft_max=64)
-    policy.lookup.after_miss = False
-    assert policy.trim(Draft(tokens, match_len=32)) == SPAN_MAX == 47
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CostModel(cheap64.sizes, [x / 1000 for x in cheap64.seconds], measured=True),
+                            draft_max=64)
+    lookup.acceptance.after_miss = False
+    assert sent(policy, lookup, found(tokens, 32), limit=64) == SPAN_MAX == 47
 
 
 def test_a_reply_that_has_copied_nothing_does_not_draft_a_one_token_match():
@@ -681,46 +714,51 @@ def test_a_reply_that_has_copied_nothing_does_not_draft_a_one_token_match():
     1 accepted). Its proposal is still checked for free; a hit grows the match past the bar, and the next
     reply starts over."""
     assert UNCOPIED_MIN == 2
-    policy = LookupPolicy(CostModel(GPU.sizes, GPU.seconds, measured=True), draft_max=64)
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CostModel(GPU.sizes, GPU.seconds, measured=True), draft_max=64)
     tokens = list(range(10, 18))
     # at a GPU's costs a fresh 1-token match's prior alone would send
-    assert best_length(policy.lookup.rates(1, 7), GPU, 0.0, 0.0, LOOKUP_MARGIN)[0] > 0
-    assert policy.trim(Draft(tokens, match_len=1)) == 0
-    policy.observe(step(0, 0), tokens, tokens[:1])  # the unsent proposal's first token came true
-    assert not policy.lookup.copied  # one right token after a 1-token match is a coin toss, not a copy
-    n = policy.trim(Draft(tokens[1:], match_len=2))  # the match it grew is past the bar
+    assert best_length(lookup.acceptance.rates(1, 7), GPU, 0.0, 0.0, LOOKUP_MARGIN)[0] > 0
+    assert sent(policy, lookup, found(tokens, 1), limit=64) == 0
+    policy.observe(step(0, 0), tokens[:1])  # the unsent proposal's first token came true
+    assert not lookup.acceptance.copied  # one right token after a 1-token match is a coin toss, not a copy
+    n = sent(policy, lookup, found(tokens[1:], 2), limit=64)  # the match it grew is past the bar
     assert n > 0
-    policy.observe(step(n, n), tokens[1:], tokens[1 : n + 2])
-    assert policy.lookup.copied
-    assert policy.trim(Draft(tokens, match_len=1)) > 0  # this reply copies: a short match may draft
+    policy.observe(step(n, n), tokens[1 : n + 2])
+    assert lookup.acceptance.copied
+    assert sent(policy, lookup, found(tokens, 1), limit=64) > 0  # this reply copies: a short match may draft
+    policy.observe(step(0, 0), [])
     policy.finish()
-    assert policy.trim(Draft(tokens, match_len=1)) == 0  # the next reply shows for itself
+    assert sent(policy, lookup, found(tokens, 1), limit=64) == 0  # the next reply shows for itself
     # a miss teaches nothing about copying: the bar stays
-    policy.observe(step(0, 0), tokens, [99])
-    assert policy.trim(Draft(tokens, match_len=1)) == 0
+    policy.observe(step(0, 0), [99])
+    assert sent(policy, lookup, found(tokens, 1), limit=64) == 0
 
 
 def test_a_short_fresh_match_sends_a_few_tokens_however_good_its_record():
     """A fresh match shorter than FRESH_TRUSTED sends at most FRESH_FIRST tokens even where fresh matches have
     been coming true: one wrong 24-token draft costs seven plain steps on two CPU cores. Inside the span, or
     where the n-gram's earlier occurrences agreed, the estimates decide alone."""
-    policy = LookupPolicy(CostModel(GEMMA.sizes, GEMMA.seconds, measured=True), draft_max=64)
-    acc = policy.lookup
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CostModel(GEMMA.sizes, GEMMA.seconds, measured=True), draft_max=64)
+    acc = lookup.acceptance
     for _ in range(60):  # fresh 4-token matches and what follows them: always right
         acc.after_miss = True
         for m in range(4, 40):
             acc.add(m, True)
     tokens = list(range(64))
     acc.after_miss = True
-    assert policy.trim(Draft(tokens, match_len=4)) == FRESH_FIRST
+    assert sent(policy, lookup, found(tokens, 4), limit=64) == FRESH_FIRST
     acc.after_miss = False
-    assert policy.trim(Draft(tokens, match_len=4)) > FRESH_FIRST
+    assert sent(policy, lookup, found(tokens, 4), limit=64) > FRESH_FIRST
     acc.after_miss = True
-    assert policy.trim(Draft(tokens, match_len=4, agree=3, seen=3)) > FRESH_FIRST  # a loop: trusted at once
+    loop = found(tokens, 4)
+    loop.evidence.agree = loop.evidence.seen = 3
+    assert sent(policy, lookup, loop, limit=64) > FRESH_FIRST  # a loop: trusted at once
     acc.after_miss = True
-    assert policy.trim(Draft(tokens, match_len=FRESH_TRUSTED)) > FRESH_FIRST
+    assert sent(policy, lookup, found(tokens, FRESH_TRUSTED), limit=64) > FRESH_FIRST
     # a span followed in earlier replies says nothing about a match in the context: that one is fresh
-    policy.trim(Draft(tokens, match_len=4, source="history"))
+    sent(policy, lookup, found(tokens, 4, history=True), limit=64)
     acc.after_miss = False  # the history's proposal came true
-    assert policy.trim(Draft(tokens, match_len=4)) == FRESH_FIRST
+    assert sent(policy, lookup, found(tokens, 4), limit=64) == FRESH_FIRST
     assert acc.after_miss

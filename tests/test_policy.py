@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from specchat.drafters import Draft, PromptLookup
 from specchat.engine import Finished, generate
 from specchat.costs import (
     CostModel,
@@ -17,19 +16,12 @@ from specchat.costs import (
     cached_cost_model,
     cost_cache_key,
 )
-from specchat.policy import (
-    DRAFT_MARGIN,
-    LOOKUP_MARGIN,
-    DraftModelPolicy,
-    LookupPolicy,
-    LOOKUP_BUCKETS,
-    FixedPolicy,
-    best_length,
-)
+from specchat.lookup import LOOKUP_BUCKETS, LOOKUP_MARGIN, PromptLookup
+from specchat.policy import DRAFT_MARGIN, PROBE_AFTER, PROBE_TOKENS, AdaptivePolicy, FixedPolicy, best_length
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
 
-from fakes import FakeBackend, script_logits
+from fakes import FakeBackend, ScriptedDrafter, SetLookup, found, modelled, script_logits, sent
 
 # SmolLM2-135M on 2 CPU cores (measured with llama-cpp-python 0.3.36): verifying 8 tokens costs ~4.6x one token
 CPU = CostModel([1, 2, 4, 8, 16], [0.015, 0.025, 0.038, 0.069, 0.101])
@@ -41,6 +33,10 @@ def step(drafted: int, accepted: int, verify: float = 0.0, draft: float = 0.0) -
     emitted = accepted + 1
     return StepStats(step=0, drafted=drafted, accepted=accepted, emitted=emitted,
                      draft_seconds=draft, verify_seconds=verify)
+
+
+GREEDY = SamplingParams(temperature=0.0)
+RNG = np.random.default_rng(0)
 
 
 def test_cost_model_interpolates_and_extrapolates():
@@ -82,11 +78,11 @@ def test_the_first_batch_larger_than_any_before_teaches_no_cost():
     """A batch larger than any before it grows llama.cpp's buffers and pays their first touch (gemma: 311 ms
     for the first 64-token batch of a process, 170 after): that one-off must not make batches look dearer."""
     cost = CostModel([1, 2, 4, 8, 16], [0.015, 0.025, 0.038, 0.069, 0.101])
-    policy = LookupPolicy(cost, draft_max=15)
+    policy = AdaptivePolicy(PromptLookup(), cost, draft_max=15)
 
     def verified(drafted, seconds):
         policy.observe(StepStats(step=0, drafted=drafted, accepted=drafted, emitted=drafted + 1,
-                                 draft_seconds=0.0, verify_seconds=seconds), [], [])
+                                 draft_seconds=0.0, verify_seconds=seconds), [])
 
     verified(15, 0.101 * 1.8)  # the first 16-token batch: slow, and ignored
     assert cost.batch == 1.0
@@ -136,79 +132,88 @@ def test_a_lookup_draft_must_promise_more_than_a_model_draft():
     a = np.full(16, p)
     assert best_length(a, CPU)[0] > 0  # a draft model's estimate: sent
     assert best_length(a, CPU, margin=LOOKUP_MARGIN) == (0, pytest.approx(1 / CPU(1)))  # lookup's: not
-    policy = LookupPolicy(CPU, draft_max=16)
-    for history in policy.lookup._table:  # every lookup estimate at p
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CPU, draft_max=16)
+    for history in lookup.acceptance._table:  # every lookup estimate at p
         for state in history:
             state[:] = [p] * len(state)
-    assert policy.trim(Draft(list(range(16)), match_len=8)) == 0
-    for history in policy.lookup._table:
+    assert sent(policy, lookup, found(range(16), 8)) == 0
+    for history in lookup.acceptance._table:
         for state in history:
             state[:] = [0.99] * len(state)
-    assert policy.trim(Draft(list(range(16)), match_len=8)) > 0
+    assert sent(policy, lookup, found(range(16), 8)) > 0
 
 
 def test_draft_model_as_costly_as_the_target_is_never_used():
     """A self-pair on a CPU: each draft token costs a full target token, so no k can win."""
-    policy = DraftModelPolicy(CPU, draft_max=16, draft_cost=CostModel([1, 2], [0.015, 0.025]))
+    policy, drafter = modelled(CPU, CostModel([1, 2], [0.015, 0.025]), draft_max=16)
     for _ in range(5):
-        policy.observe(step(4, 4), [1, 2, 3, 4], [1, 2, 3, 4, 5])  # even when everything is accepted
-    assert policy.plan(16) == 0
+        drafter.acceptance.record(4, 4)  # even when everything is accepted
+    assert all(sent(policy, drafter) == 0 for _ in range(2 * PROBE_AFTER))  # not even a probe
 
 
 def test_cheap_draft_model_is_used_while_it_is_accepted_and_dropped_when_not():
     cheap = CostModel([1, 2], [0.002, 0.004])  # a draft token costs a tenth of a target token
-    policy = DraftModelPolicy(GPU, draft_max=8, draft_cost=cheap)
-    assert policy.plan(8) > 0  # optimistic prior: try it
-    for _ in range(40):
-        policy.observe(step(policy.plan(8), 0), [1], [9])  # every first draft rejected
-    assert policy.plan(8) == 0
-    assert policy.plan(0) == 0
+    policy, drafter = modelled(GPU, cheap)
+    assert sent(policy, drafter, limit=8) > 0  # optimistic prior: try it
+    plans = []
+    for _ in range(80):
+        plans.append(sent(policy, drafter, limit=8))
+        policy.observe(step(plans[-1], 0), [9])  # every first draft rejected
+    dropped = plans.index(0)
+    assert 0 < dropped < 20
+    # dropped, but tried again now and then with a short probe: a wrong estimate must be correctable
+    assert plans[dropped : dropped + PROBE_AFTER] == [0] * PROBE_AFTER
+    assert plans[dropped + PROBE_AFTER] == PROBE_TOKENS
+    assert sent(policy, drafter, limit=0) == 0
 
 
 def test_lookup_trim_learns_from_real_verifications():
-    policy = LookupPolicy(CPU, draft_max=16)
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CPU, draft_max=16)
     proposal = list(range(10, 22))
-    assert policy.plan(16) == 16  # lookup is free: always look, then trim
-    assert policy.trim(Draft(proposal, match_len=4)) == 0  # prior alone does not pay on this CPU
+    policy.draft(lookup, [1, 2, 3], 16, GREEDY, RNG)
+    assert sent(policy, lookup, found(proposal, 4)) == 0  # prior alone does not pay on this CPU
     for _ in range(30):  # spans copied from the prompt, always accepted whole
-        n = max(policy.trim(Draft(proposal, match_len=4)), 0)
+        n = sent(policy, lookup, found(proposal, 4))
         if n == 0:
             # drafting nothing: the shadow check sees the target emit the proposal's first token
-            policy.observe(step(0, 0), proposal, [proposal[0]])
+            policy.observe(step(0, 0), [proposal[0]])
         else:
-            policy.observe(step(n, n), proposal, proposal[: n + 1])
+            policy.observe(step(n, n), proposal[: n + 1])
     # on this cost curve the rate is flat past ~4 tokens (within 1%), and the shortest such draft wins
-    assert policy.trim(Draft(proposal, match_len=4)) >= 4
+    assert sent(policy, lookup, found(proposal, 4)) >= 4
     for _ in range(30):  # the text moved on: the same kind of match is now rejected at once
-        n = policy.trim(Draft(proposal, match_len=4))
-        policy.observe(step(n, 0), proposal, [999])
-    assert policy.trim(Draft(proposal, match_len=4)) == 0
+        n = sent(policy, lookup, found(proposal, 4))
+        policy.observe(step(n, 0), [999])
+    assert sent(policy, lookup, found(proposal, 4)) == 0
 
 
 def test_shadow_learning_turns_drafting_on_without_ever_drafting():
     """With k = 0 the proposals are still checked against what the target emits: when they keep
     coming true, the policy starts drafting."""
-    policy = LookupPolicy(CPU, draft_max=16)
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CPU, draft_max=16)
     text = list(range(100, 160))
     drafted_at = None
     for i in range(40):
-        proposal = text[i : i + 12]
-        n = policy.trim(Draft(proposal, match_len=3))
+        n = sent(policy, lookup, found(text[i : i + 12], 3))
         if n:
             drafted_at = i
             break
-        policy.observe(step(0, 0), proposal, [text[i]])
+        policy.observe(step(0, 0), [text[i]])
     assert drafted_at is not None and drafted_at < 30
 
 
 def test_shadow_does_not_count_a_repeated_span_twice():
-    policy = LookupPolicy(CPU, draft_max=16)
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CPU, draft_max=16)
     text = list(range(100, 120))
     for i in range(5):
-        proposal = text[i : i + 8]
-        policy.trim(Draft(proposal, match_len=2))
-        policy.observe(step(0, 0), proposal, [text[i]])
-    tries, hits = policy.lookup.tries[0].sum(axis=0), policy.lookup.hits[0].sum(axis=0)  # context matches
+        sent(policy, lookup, found(text[i : i + 8], 2))
+        policy.observe(step(0, 0), [text[i]])
+    # context matches
+    tries, hits = lookup.acceptance.tries[0].sum(axis=0), lookup.acceptance.hits[0].sum(axis=0)
     # one span followed for 5 tokens: each token checked once, against the match it continued (2, 3,
     # 4, 5, 6 tokens long), not five checks of the 2-token match
     buckets = {b: i for i, b in enumerate(LOOKUP_BUCKETS)}
@@ -218,10 +223,21 @@ def test_shadow_does_not_count_a_repeated_span_twice():
 
 
 def test_fixed_policy():
-    assert FixedPolicy(6).plan(4) == 4
-    assert FixedPolicy(6).plan(10) == 6
-    assert FixedPolicy(0).plan(10) == 0
-    assert FixedPolicy(6).trim(Draft([1, 2, 3])) == 3
+    drafter = ScriptedDrafter(fallback=lambda context, k: list(range(1, k + 1)))
+    assert sent(FixedPolicy(6), drafter, limit=4) == 4
+    assert sent(FixedPolicy(6), drafter, limit=10) == 6
+    assert sent(FixedPolicy(0), drafter, limit=10) == 0
+    assert drafter.proposals[-1][1] == 6  # k = 0 asks nothing
+
+
+def test_fixed_policy_sends_a_chains_first_nonempty_draft():
+    """llama.cpp's rule for a chain at a fixed length: the first drafter, in the chain's order, that proposes."""
+    from specchat.drafters import Chain
+
+    empty, second, third = ScriptedDrafter(), ScriptedDrafter([[7, 8, 9]]), ScriptedDrafter([[4, 5]])
+    draft = FixedPolicy(2).draft(Chain([empty, second, third]), [1], 8, GREEDY, RNG)
+    assert draft.tokens == [7, 8] and draft.drafter is second and draft.planned == 2
+    assert third.proposals == []  # not asked once an earlier one proposed
 
 
 def test_cost_cache_round_trip(tmp_path):
@@ -338,9 +354,10 @@ def test_engine_with_adaptive_policy_stays_lossless_and_records_draft_lengths():
     logits = script_logits(vocab, len(prompt), wanted)
     target = FakeBackend(logits, vocab, n_ctx=512)
     reference = FakeBackend(logits, vocab, n_ctx=512)
-    policy = LookupPolicy(GPU, draft_max=8)
+    lookup = PromptLookup(1, 4)
+    policy = AdaptivePolicy(lookup, GPU, draft_max=8)
     greedy = SamplingParams(temperature=0.0)
-    events = list(generate(target, PromptLookup(1, 4), prompt, greedy, max_tokens=40, policy=policy))
+    events = list(generate(target, lookup, prompt, greedy, max_tokens=40, policy=policy))
     plain = list(generate(reference, None, prompt, greedy, max_tokens=40))
     finished, baseline = events[-1], plain[-1]
     assert isinstance(finished, Finished) and isinstance(baseline, Finished)
@@ -361,9 +378,9 @@ def test_per_step_overhead_favours_longer_drafts():
 def test_policy_measures_overhead_outside_draft_and_verify():
     import time as _time
 
-    policy = LookupPolicy(CPU, draft_max=8)
+    policy = AdaptivePolicy(PromptLookup(), CPU, draft_max=8)
     for _ in range(30):
-        policy.observe(step(0, 0, verify=0.0), [], [1])
+        policy.observe(step(0, 0, verify=0.0), [1])
         _time.sleep(0.004)  # the consumer's time between steps
     assert 0.002 < policy.overhead < 0.02
 
@@ -376,12 +393,12 @@ def test_useless_draft_model_is_not_even_prefilled():
     logits = script_logits(vocab, 4, [5, 6, 7, 8, 9])
     target = FakeBackend(logits, vocab)
     drafter, draft_backend = make_draft_model(logits, vocab)
-    policy = DraftModelPolicy(CPU, draft_max=8, draft_cost=CostModel([1, 2], [0.015, 0.025]))
+    policy = AdaptivePolicy(drafter, CPU, draft_max=8, draft_costs=[CostModel([1, 2], [0.015, 0.025])])
     assert not policy.drafting_possible
     events = list(generate(target, drafter, [1, 2, 3, 4], SamplingParams(temperature=0.0), max_tokens=5, policy=policy))
     assert events[-1].token_ids == [5, 6, 7, 8, 9]
     assert draft_backend.evaluated == 0
-    cheap = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1, 2], [0.001, 0.002]))
+    cheap = AdaptivePolicy(drafter, GPU, draft_max=8, draft_costs=[CostModel([1, 2], [0.001, 0.002])])
     assert cheap.drafting_possible
 
 
@@ -392,29 +409,30 @@ def linear() -> CostModel:
     return CostModel([1, 2, 4, 8, 16], [0.02, 0.04, 0.08, 0.16, 0.32])
 
 
-def _lookup_run(policy, n=40):
+def _lookup_run(cost: CostModel, n=40) -> tuple[Finished, AdaptivePolicy]:
     """A target that repeats 'abcd' after a prompt that already holds it: lookup always has a match."""
     wanted = [0, 1, 2, 3] * 20
     target = FakeBackend(script_logits(8, 8, wanted), 8)
-    events = list(generate(target, PromptLookup(1, 8), [0, 1, 2, 3, 0, 1, 2, 3], SamplingParams(temperature=0),
+    lookup = PromptLookup(1, 8)
+    policy = AdaptivePolicy(lookup, cost, draft_max=16, learn_costs=False)
+    events = list(generate(target, lookup, [0, 1, 2, 3, 0, 1, 2, 3], SamplingParams(temperature=0),
                            max_tokens=n, policy=policy))
-    return [e for e in events if isinstance(e, Finished)][0]
+    return [e for e in events if isinstance(e, Finished)][0], policy
 
 
 def test_a_policy_that_declines_says_why_in_a_few_words():
-    declined = LookupPolicy(linear(), draft_max=16, learn_costs=False)
-    finished = _lookup_run(declined)
+    finished, declined = _lookup_run(linear())
     assert finished.stats.drafted == 0
-    assert declined.last_note == ("draft off: the lookup matches were too short to pay for a 4-token verify that "
+    assert declined.last_note == ("draft off: lookup's proposals were too short to pay for a 4-token verify that "
                                   "costs 4.0 steps here")
-    drafting = LookupPolicy(CostModel([1, 2, 4, 8, 16], [0.020, 0.0202, 0.0205, 0.021, 0.022]), draft_max=16,
-                            learn_costs=False)
-    assert _lookup_run(drafting).stats.drafted > 0 and drafting.last_note is None
-    model = DraftModelPolicy(linear(), draft_max=8, draft_cost=CostModel([1], [0.02]))
+    finished, drafting = _lookup_run(CostModel([1, 2, 4, 8, 16], [0.020, 0.0202, 0.0205, 0.021, 0.022]))
+    assert finished.stats.drafted > 0 and drafting.last_note is None
+    model, _ = modelled(linear(), CostModel([1], [0.02]))
     assert not model.drafting_possible
-    model.observe(step(0, 0, 0.02), [], [1])  # one plain step, at the cost model's own pace
+    model.observe(step(0, 0, 0.02), [1])  # one plain step, at the cost model's own pace
     model.finish()
-    assert model.last_note.startswith("draft off: a draft token costs 1.00 steps and a 2-token verify 2.0 steps here")
+    assert model.last_note.startswith("draft off: a scripted drafter token costs 1.00 steps and a 2-token verify "
+                                      "2.0 steps here")
     from specchat import ui
     from specchat.stats import RunStats
 
@@ -427,6 +445,7 @@ def test_reproducible_policy_never_reads_the_clock_or_the_store(tmp_path, monkey
     earlier runs learned, and nothing is measured, read or written."""
     from types import SimpleNamespace
 
+    import specchat.loader as loader_module
     import specchat.policy as policy_module
 
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
@@ -437,7 +456,7 @@ def test_reproducible_policy_never_reads_the_clock_or_the_store(tmp_path, monkey
     def plans():
         target = FakeBackend(script_logits(8, 8, [0, 1, 2, 3] * 20), 8)
         loaded = SimpleNamespace(drafter=PromptLookup(1, 8), target=target, drafter_label="prompt-lookup")
-        policy = policy_module.make_policy(loaded, 16, None, reproducible=True)
+        policy = loader_module.make_policy(loaded, 16, None, reproducible=True)
         events = list(generate(target, loaded.drafter, [0, 1, 2, 3, 0, 1, 2, 3], SamplingParams(temperature=0),
                                max_tokens=60, policy=policy))
         return [e.stats.drafted for e in events if hasattr(e, "totals")]

@@ -13,9 +13,11 @@ from fakes import FakeBackend, ScriptedDrafter, make_draft_model
 
 from specchat import cli, options
 from specchat.backend import Backend, VocabInfo
-from specchat.drafters import Drafter, HybridDrafter, PromptLookup
 from specchat.costs import CostModel
-from specchat.policy import DraftModelPolicy, FixedPolicy, HybridPolicy, LookupPolicy, Policy, make_policy
+from specchat.drafters import Chain, Drafter
+from specchat.loader import make_policy
+from specchat.lookup import PromptLookup
+from specchat.policy import AdaptivePolicy, FixedPolicy, Policy
 
 COST = CostModel([1, 2], [0.01, 0.02])
 
@@ -25,11 +27,12 @@ def test_the_fakes_and_the_real_classes_conform():
     assert isinstance(target, Backend)
     model, backend = make_draft_model(lambda ctx: np.zeros(8, dtype=np.float32), 8)
     assert isinstance(backend, Backend)
-    for drafter in (ScriptedDrafter(), model, PromptLookup(), HybridDrafter(PromptLookup(), model)):
+    for drafter in (ScriptedDrafter(), model, PromptLookup()):
         assert isinstance(drafter, Drafter), drafter
-    assert PromptLookup().backend is None and HybridDrafter(PromptLookup(), model).backend is backend
-    for policy in (FixedPolicy(3), DraftModelPolicy(COST, draft_max=8, draft_cost=COST), LookupPolicy(COST, draft_max=8),
-                   HybridPolicy(COST, draft_max=8, draft_cost=COST)):
+    assert PromptLookup().backend is None
+    for policy in (FixedPolicy(3), AdaptivePolicy(model, COST, draft_max=8, draft_costs=[COST]),
+                   AdaptivePolicy(PromptLookup(), COST, draft_max=8),
+                   AdaptivePolicy(Chain([PromptLookup(), model]), COST, draft_max=8, draft_costs=[None, COST])):
         assert isinstance(policy, Policy), policy
     # a class without the protocol's members does not pass
     assert not isinstance(object(), Backend) and not isinstance(object(), Drafter)
@@ -115,13 +118,19 @@ def test_the_fake_lends_writeable_rows_and_catches_a_caller_that_writes_or_keeps
         backend.eval([2], [0])
 
 
-def test_one_policy_per_drafter_kind():
-    kinds = {"draft-model": DraftModelPolicy, "prompt-lookup": LookupPolicy, "hybrid": HybridPolicy}
-    for kind, cls in kinds.items():
-        assert cls.kind == kind
-    assert not LookupPolicy(COST, draft_max=8).tables() and LookupPolicy(COST, draft_max=8).drafting_possible
+def test_one_policy_for_every_drafter_kind():
+    """The policy prices what each drafter offers; it never asks what kind of drafter it is."""
+    import inspect
+
+    from specchat import policy as policy_module
+
+    source = inspect.getsource(policy_module)
+    for word in ("prompt-lookup", "draft-model", "mtp", "eagle3", "history"):
+        assert f'"{word}"' not in source, word
+    assert not PromptLookup().carried() and AdaptivePolicy(PromptLookup(), COST, draft_max=8).drafting_possible
     assert FixedPolicy(0).drafting_possible
-    assert make_policy(type("L", (), {"drafter": None})(), 8, None).plan(8) == 0
+    policy = make_policy(type("L", (), {"drafter": None})(), 8, None)
+    assert isinstance(policy, FixedPolicy) and policy.k == 0
 
 
 # --- one definition per flag -------------------------------------------------------------------------

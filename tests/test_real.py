@@ -12,7 +12,8 @@ import pytest
 
 from real_models import GREEDY, TOLERANCE, model_path, prompt_ids_for, run, teacher_forced_gaps
 from specchat.backend import LlamaCppBackend, outputs_to_reserve, sync
-from specchat.drafters import DraftModel, IncompatibleDraft, PromptLookup
+from specchat.drafters import DraftModel, IncompatibleDraft
+from specchat.lookup import PromptLookup
 from specchat.sampling import SamplingParams
 
 pytestmark = pytest.mark.real

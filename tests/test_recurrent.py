@@ -16,7 +16,7 @@ import specchat
 from specchat.backend import BackendError
 from specchat.engine import Finished, TokenEvent, generate
 from specchat.costs import CostModel
-from specchat.policy import DraftModelPolicy, FixedPolicy, best_length
+from specchat.policy import AdaptivePolicy, FixedPolicy, best_length
 from specchat.sampling import SamplingParams, process
 from specchat.stats import StepStats
 
@@ -182,13 +182,15 @@ def test_a_checkpoint_that_costs_more_than_drafting_gains_stops_drafting():
 
 
 def test_the_policy_learns_the_checkpoint_cost_from_the_steps():
-    policy = DraftModelPolicy(GPU, draft_max=8, draft_cost=CostModel([1], [0.001]))
-    assert policy.plan(8) > 0
+    from fakes import modelled, sent
+
+    policy, drafter = modelled(GPU, CostModel([1], [0.001]))
+    assert sent(policy, drafter, limit=8) > 0
     for _ in range(40):  # every drafting step spent 200 ms on its checkpoint; the drafts were good
         policy.observe(StepStats(step=0, drafted=4, accepted=3, emitted=4, draft_seconds=0.004,
-                                 verify_seconds=0.021, rollback_seconds=0.2), [1, 2, 3, 4], [1, 2, 3, 9])
+                                 verify_seconds=0.021, rollback_seconds=0.2), [1, 2, 3, 9])
     assert policy.rollback == pytest.approx(0.2, rel=0.01)
-    assert policy.plan(8) == 0
+    assert sent(policy, drafter, limit=8) == 0
 
 
 @pytest.mark.tiny
@@ -199,7 +201,7 @@ def test_a_model_that_cannot_be_cut_gets_drafting_off(monkeypatch, tmp_path):
     from specchat.backend import LlamaCppBackend, MemoryKind
     from specchat.config import load_config
     from specchat.loader import LoadOptions, Selection, load
-    from specchat.policy import make_policy
+    from specchat.loader import make_policy
 
     target, draft = tiny_models.write_pair(tmp_path, "mamba2")
     monkeypatch.setattr(LlamaCppBackend, "_memory_kind", lambda self: MemoryKind("none", "mamba2"))
@@ -223,11 +225,12 @@ def test_a_target_reserves_its_longest_verify_where_that_costs_no_recurrent_stat
     import llama_cpp
     import tiny_models
 
-    from specchat.config import PROMPT_LOOKUP, load_config
+    from specchat.config import load_config
+    from specchat.kinds import PROMPT_LOOKUP
     from specchat.loader import LoadOptions, Selection, load
 
     target, _ = tiny_models.write_pair(tmp_path, arch)
-    for draft, expected in ((PROMPT_LOOKUP, reserved), (None, 1)):
+    for draft, expected in ((PROMPT_LOOKUP.word, reserved), (None, 1)):
         loaded = load(load_config(), Selection(str(target), draft), LoadOptions(n_ctx=256, n_threads=2, draft_max=16))
         try:
             assert loaded.target.reserved_outputs == expected, draft

@@ -15,7 +15,7 @@ import pytest
 from fakes import FakeBackend, markov_logits
 
 from specchat import report as rp
-from specchat.drafters import PromptLookup
+from specchat.lookup import PromptLookup
 from specchat.engine import Finished, StepEvent, TokenEvent
 from specchat.policy import FixedPolicy
 from specchat.runner import UserError

@@ -237,7 +237,7 @@ def test_worker_stops_cleanly_on_sigint_and_sigterm():
 @needs_rpc
 def test_greedy_reply_over_rpc_is_the_targets_and_the_worker_did_the_work(worker):
     from specchat.backend import LlamaCppBackend
-    from specchat.drafters import PromptLookup
+    from specchat.lookup import PromptLookup
     from specchat.engine import Finished, generate
     from specchat.policy import FixedPolicy
     from specchat.sampling import SamplingParams

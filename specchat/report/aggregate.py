@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from .. import kinds
 from ..stats import RunStats
 from .prompts import ALL, BASELINE
 from .run import RunRecord
@@ -108,9 +109,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def draft_cost_ratio(stats: RunStats, baseline: RunStats | None, drafter_kind: str | None) -> float | None:
-    """c = draft seconds per drafted token / target-only seconds per generated token. Prompt lookup's
-    proposals are free (c = 0 by definition), and so is drafting nothing."""
-    if stats.drafted == 0 or drafter_kind == "prompt-lookup":
+    """c = draft seconds per drafted token / target-only seconds per generated token. A free drafter's
+    proposals (prompt lookup's) cost nothing (c = 0 by definition), and so does drafting nothing.
+    `drafter_kind`: the drafter's kind name, a chain's joined with ","."""
+    named = [kinds.by_name(name) for name in (drafter_kind or "").split(",") if name]
+    if stats.drafted == 0 or (named and all(kind is not None and kind.free for kind in named)):
         return 0.0
     if baseline is None or baseline.emitted == 0 or baseline.generate_seconds <= 0:
         return None

@@ -9,7 +9,9 @@ from typing import Annotated
 import typer
 
 from .. import options as opt
-from ..policy import FixedPolicy, Policy, make_policy
+from ..drafters import members
+from ..loader import make_policy
+from ..policy import FixedPolicy, Policy
 from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting, load_prompts, parse_sweep, select_prompts
 from .render import (TERMINAL_POSITIONS, build_doc, check_out_dir, number_text, rich_tables, speedup_text, table_specs,
                      usage_hint, write_outputs)
@@ -115,7 +117,8 @@ def report_command(
         doc = build_doc(
             records, target=loaded.target_spec.name,
             drafter=loaded.drafter_label + (f" ({rule})" if rule else ""),
-            drafter_kind=loaded.drafter.kind if loaded.drafter is not None else None, settings=settings,
+            drafter_kind=",".join(m.kind.name for m in members(loaded.drafter)) if loaded.drafter is not None else None,
+            settings=settings,
             items=items, source=source, params=params, max_tokens=run.max_tokens, threads=loaded.target.n_threads,
         )
         if rule:

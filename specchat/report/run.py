@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..backend import Backend, BackendError
-from ..drafters import Drafter
+from ..drafters import Drafter, own_backends
 from ..engine import Finished, TokenEvent, generate
 from ..errors import UserError
 from ..policy import Policy
@@ -83,10 +83,8 @@ Render = Callable[[list[dict]], tuple[list[int], list[str]]]  # messages -> (pro
 
 
 def reset_caches(target: Backend, drafter: Drafter | None) -> None:
-    """Empty both KV caches, so every run prefills its whole prompt (fair prefill timings)."""
-    target.truncate(0)
-    backend = drafter.backend if drafter is not None else None
-    if backend is not None:
+    """Empty every KV cache, so every run prefills its whole prompt (fair prefill timings)."""
+    for backend in (target, *own_backends(drafter)):
         backend.truncate(0)
 
 

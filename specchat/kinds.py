@@ -1,0 +1,117 @@
+"""The table of drafter kinds: everything specchat knows about a way of drafting, in one entry.
+
+An entry says how a user names the kind (llama.cpp's `--spec-type` names, a `-md` / models.toml word that
+needs no file, or the GGUF architecture of a `-md` file), how to build it (`factory`, "module:function",
+imported only when a drafter of that kind is built), where its cost comes from (`cost`: "free" proposals
+are made every step and priced after; "model" and "head" drafts cost their own model's time, priced
+before), and how the terminal shows its tokens. Adding a way of drafting is one module (the drafter, see
+drafters.Drafter) plus one entry here, or a `register()` call from anywhere (a plugin, a test).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str  # specchat's own name; what StepStats.source says and acceptance.json is keyed by
+    label: str  # what the terminal calls its drafts
+    # the factory: "module:function" (or a callable), called as factory(build) -> Drafter (loader.Build)
+    factory: str | Callable[..., Any]
+    cost: str = "model"  # "free" (proposals cost nothing) | "model" | "head" (one or a few layers on the target)
+    spec_types: tuple[str, ...] = ()  # llama.cpp's --spec-type names for it
+    word: str | None = None  # the -md / models.toml `draft` word that means it without a file ("mtp")
+    archs: tuple[str, ...] = ()  # a -md file of one of these GGUF architectures is this kind
+    needs_file: bool = False  # built from a -md file (a draft model, a head trained for the target)
+    reads_target: bool = False  # it reads the target's own context: it cannot outlive the target's backend
+    colour: str = "cyan"  # the footer's style for its name
+    target_options: dict[str, Any] = field(default_factory=dict)  # how the target must be loaded for it
+    # other names its drafts carry in StepStats.source (lookup's "history": earlier replies), with labels
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def free(self) -> bool:
+        return self.cost == "free"
+
+    def build(self, build) -> Any:
+        factory = self.factory
+        if isinstance(factory, str):
+            module, _, name = factory.partition(":")
+            factory = getattr(importlib.import_module(module), name)
+        return factory(build)
+
+
+KINDS: dict[str, DrafterKind] = {}
+
+
+def register(kind: DrafterKind) -> DrafterKind:
+    """Add (or replace) a kind; its names must not be another kind's."""
+    for other in KINDS.values():
+        if other.name == kind.name:
+            continue
+        clash = (set(other.spec_types) & set(kind.spec_types)) | ({other.word} & {kind.word} - {None})
+        if clash:
+            raise ValueError(f"drafter kind {kind.name}: {', '.join(sorted(clash))} already names {other.name}")
+    KINDS[kind.name] = kind
+    return kind
+
+
+PROMPT_LOOKUP = register(DrafterKind(
+    "prompt-lookup", "lookup", "specchat.lookup:build", cost="free",
+    # llama.cpp's n-gram drafters are all answered by specchat's one lookup (indexed, with its own policy)
+    spec_types=("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"),
+    word="prompt-lookup", colour="green", sources={"history": "lookup: earlier replies"},
+))
+DRAFT_MODEL = register(DrafterKind(
+    "draft-model", "draft model", "specchat.drafters:build_draft_model", spec_types=("draft-simple",),
+    needs_file=True, colour="magenta",
+))
+MTP = register(DrafterKind(
+    "mtp", "MTP head", "specchat.drafters:build_mtp", cost="head", spec_types=("draft-mtp",), word="mtp",
+    reads_target=True, colour="blue", target_options={"mtp": True},  # llama.cpp loads the MTP layers
+))
+EAGLE3 = register(DrafterKind(
+    "eagle3", "EAGLE-3 head", "specchat.drafters:build_eagle3", cost="head", spec_types=("draft-eagle3",),
+    archs=("eagle3",), needs_file=True, reads_target=True, colour="blue",
+))
+
+
+def by_name(name: str) -> DrafterKind | None:
+    return KINDS.get(name)
+
+
+def by_spec_type(spec_type: str) -> DrafterKind | None:
+    spec_type = spec_type.strip().lower()
+    return next((k for k in KINDS.values() if spec_type in k.spec_types), None)
+
+
+def by_word(word: str) -> DrafterKind | None:
+    """The kind a `-md` / `draft` word names without a file (prompt-lookup, mtp), or None: a model ref."""
+    return next((k for k in KINDS.values() if k.word is not None and k.word == word), None)
+
+
+def for_file(arch: str | None) -> DrafterKind:
+    """The kind a -md file drafts as, by its GGUF architecture: a head trained for the target, else a model."""
+    return next((k for k in KINDS.values() if arch in k.archs), DRAFT_MODEL)
+
+
+def words() -> tuple[str, ...]:
+    return tuple(k.word for k in KINDS.values() if k.word is not None)
+
+
+def spec_types() -> tuple[str, ...]:
+    return tuple(t for k in KINDS.values() for t in k.spec_types)
+
+
+def source_style(source: str) -> tuple[str, str]:
+    """(what the terminal calls a StepStats.source, the style it shows it in)."""
+    for kind in KINDS.values():
+        if source == kind.name:
+            return kind.label, kind.colour
+        if source in kind.sources:
+            return kind.sources[source], kind.colour
+    return source, ""
