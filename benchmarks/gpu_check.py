@@ -165,9 +165,11 @@ def prepare(log=print) -> dict:
                     continue
                 name = member.name[len(top):] if member.name.startswith(top) else None
                 if name and name.startswith("vendor/llama.cpp/") and _keep_source(name[len("vendor/llama.cpp/"):]):
-                    data = tar.extractfile(member)
-                    member.name = "llama.cpp/" + name[len("vendor/llama.cpp/"):]
-                    out.addfile(member, data)  # same mtimes as the sdist: a re-extraction rebuilds nothing
+                    # a new entry: the sdist's own keeps a long path in its pax header, which would win over
+                    # a renamed .name; same size, mode and mtime (a re-extraction rebuilds nothing)
+                    entry = tarfile.TarInfo("llama.cpp/" + name[len("vendor/llama.cpp/"):])
+                    entry.size, entry.mode, entry.mtime = member.size, member.mode, member.mtime
+                    out.addfile(entry, tar.extractfile(member))
                 elif name and name.startswith("llama_cpp/") and not name.startswith("llama_cpp/server/"):
                     target = python / name
                     target.parent.mkdir(parents=True, exist_ok=True)
@@ -303,11 +305,60 @@ def extract_source(s: Setup) -> None:
             tar.extractall(s.work, filter="data")
 
 
+def _link(links: Path, name: str, target: Path) -> Path:
+    """An unversioned name (libX.so, what the linker asks for) for a versioned library."""
+    links.mkdir(parents=True, exist_ok=True)
+    link = links / name
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target)
+    return link
+
+
+def cuda_args(s: Setup, report: Report) -> tuple[str, ...]:
+    """What ggml-cuda links besides the runtime, where the CUDA toolkit lacks it (an image that assembles CUDA
+    from pip wheels, as this project's do: nvcc and the runtime only):
+    - cuBLAS: the nvidia-cublas wheel PyTorch installed (nvidia/cu13 or nvidia/cublas in this Python's
+      site-packages): its headers, and its libraries behind unversioned links in WORK/cuda-links, which the
+      build's RPATH then points at;
+    - the driver library (for the VMM memory pool): the driver's libcuda.so.1 where the loader knows it,
+      else -DGGML_CUDA_NO_VMM=ON (the pool of plain cudaMalloc blocks)."""
+    links = s.work / "cuda-links"
+    args: list[str] = []
+    nvcc = shutil.which("nvcc")
+    roots = [r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if r]
+    roots += [str(Path(nvcc).resolve().parent.parent)] if nvcc else []
+    if not any((Path(r) / "include" / "cublas_v2.h").exists() for r in roots):
+        found = [(Path(e) / sub) for e in sys.path for sub in ("nvidia/cu13", "nvidia/cublas", "nvidia/cu12")
+                 if (Path(e) / sub / "include" / "cublas_v2.h").exists() and list((Path(e) / sub / "lib").glob("libcublas.so.*"))]
+        if not found:
+            report("cuBLAS: in neither the CUDA toolkit nor this Python's nvidia packages; the build will fail")
+        else:
+            include, lib = found[0] / "include", found[0] / "lib"
+            args += [f"-DCMAKE_CUDA_FLAGS=-I{include}", f"-DCMAKE_CXX_FLAGS=-I{include}"]
+            for name in ("cublas", "cublasLt"):
+                target = sorted(lib.glob(f"lib{name}.so.*"))[0]
+                args.append(f"-DCUDA_{name}_LIBRARY={_link(links, f'lib{name}.so', target)}")
+            report(f"cuBLAS: not in the CUDA toolkit; using {found[0]} (pip's nvidia-cublas)")
+    if not any(list(Path(r).glob("lib*/libcuda.so")) + list(Path(r).glob("lib*/stubs/libcuda.so")) for r in roots):
+        ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout if shutil.which("ldconfig") else ""
+        driver = [line.split("=>")[-1].strip() for line in ldconfig.splitlines() if "libcuda.so.1 " in line]
+        driver += [str(p) for d in ("/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu",
+                                    "/usr/lib64") for p in Path(d).glob("libcuda.so.1")]
+        if driver:
+            args.append(f"-DCUDA_cuda_driver_LIBRARY={_link(links, 'libcuda.so', Path(driver[0]))}")
+            report(f"CUDA driver library: {driver[0]}")
+        else:
+            args.append("-DGGML_CUDA_NO_VMM=ON")
+            report("CUDA driver library: none found; building with -DGGML_CUDA_NO_VMM=ON")
+    return tuple(args)
+
+
 def build(s: Setup, a, report: Report) -> float:
     """vs_llamacpp.build into WORK/build with this check's flags; seconds taken (0 when it was there)."""
     from vs_llamacpp import build as cmake_build
 
-    cmake_args = CMAKE_COMMON + (() if s.cpu else CMAKE_CUDA)
+    cmake_args = CMAKE_COMMON + (() if s.cpu else CMAKE_CUDA + cuda_args(s, report))
     start = time.perf_counter()
     log = s.work / "build.log"
     sys.stdout.flush()
