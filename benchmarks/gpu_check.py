@@ -70,12 +70,19 @@ CMAKE_COMMON = ("-G", "Ninja", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TOOLS=ON
 CMAKE_CUDA = ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90")
 
 PARTS = ("plain", "verify", "draft", "mtp", "lookup", "host", "ckpt")
-# rough seconds of each part on the GPU machine at the defaults (-n 128, --reps 2): ~4 s a process
-# (Python, CUDA, the model from the page cache) and a second or two of decoding
-PART_SECONDS = {"plain": 35, "verify": 20, "draft": 50, "mtp": 45, "lookup": 35, "host": 40, "ckpt": 30}
+# rough seconds of each part on the GPU machine at -n 128: (once, per rep); ~4 s a process (Python, CUDA, the
+# model from the page cache) and a second or two of decoding. Not measured yet: the first GPU run's
+# "(part: N s)" lines are what to put here.
+PART_SECONDS = {"plain": (10, 12), "verify": (20, 0), "draft": (5, 20), "mtp": (5, 20), "lookup": (5, 15),
+                "host": (40, 0), "ckpt": (30, 0)}
 BUILD_SECONDS_GPU = 300  # ggml-cuda for one architecture (no FA variants for all quant types) on 16 cores
 MODEL_SECONDS_GPU = 60  # the three models, in parallel with the build
 VERIFY_K = (1, 2, 4, 8, 16, 32)
+
+
+def part_seconds(part: str, reps: int) -> int:
+    once, per_rep = PART_SECONDS[part]
+    return once + per_rep * reps
 
 
 class Usage(Exception):
@@ -241,9 +248,9 @@ def dry_run(a) -> None:
     print(f"total {total:.1f} MiB of {CARRY_LIMIT_MIB} MiB" + ("" if total < CARRY_LIMIT_MIB else "  <- OVER THE LIMIT"))
     print(f"\nthe one command (repository root of the GPU machine): {COMMAND}")
     print(f"device tool call: run(command={COMMAND!r}, carry=[{_shown(CARRY)!r}], timeout_s=600)")
-    tables = sum(PART_SECONDS[p] for p in a.parts)
+    tables = sum(part_seconds(p, a.reps) for p in a.parts)
     print(f"\nestimated time: build ~{BUILD_SECONDS_GPU // 60} min (models written alongside, ~{MODEL_SECONDS_GPU} s), "
-          f"tables ~{tables / 60:.1f} min ({', '.join(f'{p} {PART_SECONDS[p]} s' for p in a.parts)}), "
+          f"tables ~{tables / 60:.1f} min at --reps {a.reps} ({', '.join(f'{p} {part_seconds(p, a.reps)} s' for p in a.parts)}), "
           f"~{(BUILD_SECONDS_GPU + tables) / 60:.1f} min in all; --budget {a.budget:.0f} s skips what would not fit, "
           "and a rerun on the still-warm machine reuses the build and the models")
     sys.exit(0 if total < CARRY_LIMIT_MIB else 1)
@@ -680,12 +687,14 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--dry-run", action="store_true", help="prepare the carried folder here, print it, the command "
                     "and its estimated time; run nothing else")
     ap.add_argument("--prepare", action="store_true", help="only fill .gpu-check/carry (sdist, wheels, tokenizer)")
-    ap.add_argument("--work", type=Path, help="build, models and scratch (default: /tmp/gpu-check on the GPU "
-                    "machine, .gpu-check/cpu with --cpu); an existing build and models are reused")
+    ap.add_argument("--work", type=Path, help="build, models and scratch (default: .gpu-check/gpu, ignored, so a "
+                    "second command on the still-warm machine finds them; .gpu-check/cpu with --cpu); an existing "
+                    "build and models are reused")
     ap.add_argument("--out", type=Path, help="where the tables and results.json go (default: $OUT, else WORK/out)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in order: {','.join(PARTS)}")
     ap.add_argument("-n", type=int, help="tokens per run (default 128; 32 with --cpu)")
-    ap.add_argument("--reps", type=int, help="processes per figure, median taken (default 2; 1 with --cpu)")
+    ap.add_argument("--reps", type=int, help="processes per figure, median taken (default 1, so that the build "
+                    "and every table fit one 10-minute command)")
     ap.add_argument("-t", "--threads", type=int, help="CPU threads of both sides (default 8; 2 with --cpu)")
     ap.add_argument("--jobs", type=int, help="build jobs (default: all cores)")
     ap.add_argument("--budget", type=float, help="seconds for the whole command: a table that would not finish in "
@@ -707,11 +716,11 @@ def parse(argv: list[str] | None = None):
     if a.dry_run and a.cpu:
         raise Usage("--dry-run describes the GPU command; it takes no --cpu")
     a.n = a.n or (32 if a.cpu else 128)
-    a.reps = a.reps or (1 if a.cpu else 2)
+    a.reps = a.reps or 1
     a.threads = a.threads or (2 if a.cpu else 8)
     a.jobs = a.jobs or (2 if a.cpu else os.cpu_count() or 2)
     a.budget = a.budget if a.budget is not None else (float("inf") if a.cpu else 540.0)
-    a.work = (a.work or (LOCAL / "cpu" if a.cpu else Path("/tmp/gpu-check"))).resolve()
+    a.work = (a.work or LOCAL / ("cpu" if a.cpu else "gpu")).resolve()
     if a.work.exists() and not a.work.is_dir():
         raise Usage(f"--work {a.work} is a file, not a folder")
     out = a.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else a.work / "out")
@@ -780,7 +789,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt = own_text(s)
     for part in a.parts:
         left = a.budget - (time.perf_counter() - started)
-        need = PART_SECONDS[part] * (1 if not s.cpu else 0)
+        need = 0 if s.cpu else part_seconds(part, s.reps)
         if need > left:
             report(f"\n## {part}: skipped, {left:.0f} s left of --budget {a.budget:.0f} (needs ~{need} s); rerun with "
                    f"--parts {part} on the warm machine")
