@@ -34,6 +34,7 @@ specchat.policy.FixedPolicy and specchat.loader (see the `--child` parts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -368,16 +369,8 @@ def build(s: Setup, a, report: Report) -> float:
     cmake_args = CMAKE_COMMON + (() if s.cpu else CMAKE_CUDA + cuda_args(s, report))
     start = time.perf_counter()
     log = s.work / "build.log"
-    sys.stdout.flush()
-    saved = os.dup(1), os.dup(2)
-    with log.open("a") as f:  # cmake's output goes to the log, not between the tables
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        try:
-            cmake_build(a.jobs, TARGETS[0], "build", cmake_args, work=s.work, also=TARGETS[1:])
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
+    with output_to(log):  # cmake's output goes to the log, not between the tables
+        cmake_build(a.jobs, TARGETS[0], "build", cmake_args, work=s.work, also=TARGETS[1:])
     seconds = time.perf_counter() - start
     report(f"build: {'reused' if seconds < 5 else f'{seconds:.0f} s'} ({' '.join(cmake_args)}, -j{a.jobs}; "
            f"log {log})")
@@ -410,10 +403,30 @@ def device_line(s: Setup) -> str:
 # --------------------------------------------------------------------------------------------- the runs
 
 
+@contextlib.contextmanager
+def output_to(log: Path):
+    """The process's own stdout and stderr (file descriptors, so child processes and C libraries too) into
+    `log` for the duration."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with log.open("a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
 def own_text(s: Setup) -> str:
     import heads
 
-    return heads.own_text(s.models / "target.gguf")
+    with output_to(s.work / "llama.log"):  # llama.cpp's load messages
+        return heads.own_text(s.models / "target.gguf")
 
 
 def specchat(s: Setup, model: Path, prompt: str, extra: list[str], temp: float = 0.0) -> dict:
@@ -476,7 +489,7 @@ def _row(r: Report, label: str, runs: list[dict], base: float | None, ref: float
 
 def _header(r: Report, title: str) -> None:
     r(title)
-    r(f"{'run':<42}{'tok/s':>9}{'accepted':>10}{'/target':>10}{'/llama':>10}")
+    r(f"{'run':<42}{'tok/s':>9}{'accepted':>10}{'/target':>10}{'/llama':>10}   (accepted of drafted; - = none drafted)")
 
 
 def _target_only(s: Setup, model: Path, prompt: str, role: str) -> float:
