@@ -9,7 +9,9 @@ What it does, in one process tree:
    libs, on the GPU `-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90`: libllama, llama-bench and
    llama-speculative-simple from the same tree (benchmarks/vs_llamacpp.build). specchat loads that libllama
    through llama-cpp-python's LLAMA_CPP_LIB_PATH (its pure-Python part travels too), so both sides run the
-   very same kernels. The build time is printed.
+   very same kernels. The build time is printed. Where the CUDA toolkit has only nvcc and the runtime (this
+   project's CUDA image assembles it from pip wheels), cuBLAS comes from PyTorch's nvidia-cublas wheel.
+   Build and models stay in .gpu-check/gpu (ignored), so a second command on the warm machine reuses them.
 2. models, written while the build runs (benchmarks/gpu_models.py): a Qwen2.5-1.5B-shaped target, a
    0.5B-shaped draft (same tokenizer) and a qwen35 hybrid with an MTP block, random weights built like
    tests/tiny_models.py's so that drafts are mostly accepted (the acceptance is printed beside each figure).
@@ -27,8 +29,11 @@ said so, so a 10-minute command limit still brings back every table done before 
 
 Greedy runs use --ignore-eos and the models' own text as the prompt (64 tokens of the bigram cycle). The
 figures are medians of --reps processes. specchat is driven through its CLI (`prompt --json`) where it
-can be, and in-process only through specchat.backend.LlamaCppBackend, specchat.engine.generate,
-specchat.policy.FixedPolicy and specchat.loader (see the `--child` parts).
+can be, and in-process through specchat.backend.LlamaCppBackend (eval, truncate, rollback_seconds,
+rollback_recoveries, memory), specchat.engine.generate, specchat.policy.FixedPolicy, specchat.loader and
+specchat.SamplingParams (see the `--child` parts; host_overhead.host_run for the host table). The copies
+kept on the device are specchat's own checkpoint path with its state flags (specchat.backend.STATE_PARTIAL)
+set to PARTIAL_ONLY | ON_DEVICE in that child process: specchat has no option for it.
 """
 
 from __future__ import annotations
