@@ -40,9 +40,10 @@ N_PROMPT = 64
 
 RUNNER = r"""
 import json, sys
-from specchat.backend import Eagle3Head, LlamaCppBackend, MtpHead
+from specchat.backend import LlamaCppBackend
 from specchat.drafters import HeadDrafter
 from specchat.engine import Finished, StepEvent, generate
+from specchat.heads import Eagle3Head, MtpHead
 from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams
 kind, target_path, head_path, prompt, n, k, threads = sys.argv[1:8]

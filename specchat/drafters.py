@@ -8,8 +8,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .backend import Backend, BackendError, HeldPrefix, check_compatible, common_prefix, sync
+from .backend import Backend, BackendError, HeldPrefix, common_prefix, sync
 from .sampling import Dist, SamplingParams, draft_step, greedy_token, penalty_window, process, sample
+from .vocab import check_compatible
 
 
 @dataclass

@@ -7,9 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
-from .backend import MAX_SNAPSHOTS, Backend, BackendError, Eagle3Head, LlamaCppBackend, MtpHead, gguf_arch
+from .backend import Backend, BackendError, LlamaCppBackend
 from .config import MTP, PROMPT_LOOKUP, Config, ModelSpec
 from .drafters import DraftModel, Drafter, HeadDrafter, HybridDrafter, IncompatibleDraft, PromptLookup
+from .gguf_header import gguf_arch
+from .heads import Eagle3Head, MtpHead
+from .memory import MAX_SNAPSHOTS
 from .sources import resolve
 
 

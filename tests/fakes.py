@@ -13,9 +13,11 @@ import math
 
 import numpy as np
 
-from specchat.backend import BackendError, MemoryKind, VocabInfo
+from specchat.backend import BackendError
 from specchat.drafters import Draft, DraftModel
+from specchat.memory import MemoryKind
 from specchat.sampling import SamplingParams, sample
+from specchat.vocab import VocabInfo
 
 LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
 

@@ -12,10 +12,11 @@ import typer
 from fakes import FakeBackend, ScriptedDrafter, make_draft_model
 
 from specchat import cli, options
-from specchat.backend import Backend, VocabInfo
+from specchat.backend import Backend
 from specchat.drafters import Drafter, HybridDrafter, PromptLookup
 from specchat.costs import CostModel
 from specchat.policy import DraftModelPolicy, FixedPolicy, HybridPolicy, LookupPolicy, Policy, make_policy
+from specchat.vocab import VocabInfo
 
 COST = CostModel([1, 2], [0.01, 0.02])
 

@@ -196,9 +196,10 @@ def test_a_model_that_cannot_be_cut_gets_drafting_off(monkeypatch, tmp_path):
     """llama.cpp can neither cut nor copy its state: the pair loads without a drafter, and says why."""
     import tiny_models
 
-    from specchat.backend import LlamaCppBackend, MemoryKind
+    from specchat.backend import LlamaCppBackend
     from specchat.config import load_config
     from specchat.loader import LoadOptions, Selection, load
+    from specchat.memory import MemoryKind
     from specchat.policy import make_policy
 
     target, draft = tiny_models.write_pair(tmp_path, "mamba2")
