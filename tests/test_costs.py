@@ -4,6 +4,7 @@ calibration it contradicts is measured again; `specchat report --recalibrate` me
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,7 +26,7 @@ from specchat.engine import StepEvent, generate
 from specchat.policy import LookupPolicy, make_policy
 from specchat.sampling import SamplingParams
 
-from fakes import FakeBackend, script_logits
+from fakes import FakeBackend, assert_user_error, script_logits
 
 
 def quiet(n: int) -> float:
@@ -238,3 +239,49 @@ def test_a_malformed_observed_section_is_ignored(tmp_path, no_measuring):
     model.update(1, quiet(1))
     model.save()
     assert saved_entry(cache, fake)["observed"] == {"1": [pytest.approx(quiet(1))]}
+
+
+# -- specchat report --recalibrate ---------------------------------------------------------------------------
+
+
+def test_report_recalibrate_measures_the_loaded_models_again(cli, tmp_path, monkeypatch, measures):
+    """--recalibrate times the target again before any run and replaces its entry, observations included."""
+    import specchat.report.command as command
+    import specchat.runner as runner
+    from specchat.errors import UserError
+
+    target = FakeBackend(script_logits(8, 8, [0, 1, 2, 3] * 20), 8, name="smollm2-135m")
+    cache = tmp_path / ".cache" / "costs.json"
+    cache.parent.mkdir()
+    write_entry(cache, target, busy)
+    table = json.loads(cache.read_text())
+    table[cost_cache_key(target)]["observed"] = {"1": [0.02] * 3}
+    cache.write_text(json.dumps(table))
+
+    @contextmanager
+    def loading(config, run, console):
+        yield SimpleNamespace(target=target, drafter=PromptLookup(1, 8))
+
+    def warm_up(*args, **kw):  # the runs are not this test's business: stop where they would start
+        raise UserError("stopped before the runs")
+
+    monkeypatch.setattr(runner, "loading", loading)
+    monkeypatch.setattr(command, "warm_up", warm_up)
+    result = cli("report", "--recalibrate", "--limit", "1", env={"NO_COLOR": "1"})
+    assert_user_error(result, "stopped before the runs")
+    assert measures.calls == 1
+    entry = saved_entry(cache, target)
+    assert entry["seconds"] == pytest.approx([quiet(n) for n in CALIBRATION_SIZES])
+    assert "observed" not in entry
+    result = cli("report", "--limit", "1", env={"NO_COLOR": "1"})  # without the flag: nothing measured
+    assert_user_error(result, "stopped before the runs")
+    assert measures.calls == 1
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--recalibrate=yes"], ["--recalibrate"]),
+    (["--recalibrate", "--reproducible"], ["--recalibrate", "--reproducible"]),
+])
+def test_report_recalibrate_bad_uses_are_one_line_exit_2(cli, tmp_path, monkeypatch, args, needles, no_measuring):
+    monkeypatch.chdir(tmp_path)
+    assert_user_error(cli("report", *args, env={"NO_COLOR": "1"}), *needles)
