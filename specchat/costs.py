@@ -202,21 +202,21 @@ class CostModel:
                 group.append(model)
         for path, models in due.items():
             table = read_table(path)
-            for model in models:
-                model._merge_into(table)
-            write_atomic(path, json.dumps(table, indent=1))
+            if any([model._merge_into(table) for model in models]):  # (a list: every model's merged)
+                write_atomic(path, json.dumps(table, indent=1))
 
-    def _merge_into(self, table: dict) -> None:
+    def _merge_into(self, table: dict) -> bool:
         pending, self._pending = self._pending, {}
         entry = table.get(self.cache[1])
         if not isinstance(entry, dict) or not isinstance(entry.get("sizes"), list):
-            return  # the entry is gone (the cache was cleared): the next run measures again
+            return False  # the entry is gone (the cache was cleared): the next run measures again
         observed = observations(entry)
         for n, values in pending.items():
             observed[n] = (observed.get(n, []) + [round(v, 7) for v in values])[-OBSERVED_WINDOW:]
         entry["observed"] = {str(n): values for n, values in sorted(observed.items())}
         if entry.get("redone") and verdict(entry) is False:
             del entry["redone"]  # the last redo holds: a later contradiction may be redone again
+        return True
 
     @classmethod
     def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = CALIBRATION_REPS,

@@ -240,6 +240,17 @@ def test_a_malformed_observed_section_is_ignored(tmp_path, no_measuring):
     model.save()
     assert saved_entry(cache, fake)["observed"] == {"1": [pytest.approx(quiet(1))]}
 
+def test_a_cleared_cache_is_not_written_back(tmp_path, no_measuring):
+    """The cache file was deleted while the model ran (to have the next run measure afresh): saving does not
+    bring it back."""
+    cache, fake = tmp_path / "costs.json", backend()
+    write_entry(cache, fake, quiet)
+    model = cached_cost_model(fake, cache)
+    model.update(1, quiet(1))
+    cache.unlink()
+    model.save()
+    assert not cache.exists()
+
 
 # -- specchat report --recalibrate ---------------------------------------------------------------------------
 
@@ -285,3 +296,4 @@ def test_report_recalibrate_measures_the_loaded_models_again(cli, tmp_path, monk
 def test_report_recalibrate_bad_uses_are_one_line_exit_2(cli, tmp_path, monkeypatch, args, needles, no_measuring):
     monkeypatch.chdir(tmp_path)
     assert_user_error(cli("report", *args, env={"NO_COLOR": "1"}), *needles)
+
