@@ -2,6 +2,7 @@
 
     python benchmarks/poisoned_costs.py                  # 4 chats in a row per setup, 2 turns of 128 tokens
     python benchmarks/poisoned_costs.py --chats 6 -n 96
+    python benchmarks/poisoned_costs.py --pair gemma-lookup             # gemma-3-270m, where lookup pays more
     python benchmarks/poisoned_costs.py --before-code /tmp/specchat-before   # "before" from another checkout
 
 SmolLM2-135M-Instruct with prompt lookup (the default pair), greedy, two-turn chats whose replies copy
@@ -64,7 +65,7 @@ def busy_factor(n: int) -> float:
 # -- one chat, in its own process -----------------------------------------------------------------------
 
 
-def chat(mode: str, n: int) -> dict:
+def chat(mode: str, n: int, pair_name: str) -> dict:
     """One two-turn chat from what SPECCHAT_HOME's cache holds; prints what it measured as JSON."""
     import specchat
     from specchat.engine import Finished
@@ -77,7 +78,7 @@ def chat(mode: str, n: int) -> dict:
     if mode == "before" and hasattr(costs, "verdict"):  # this checkout with the learning turned off
         costs.CostModel.save = lambda self, *others: None
         costs.verdict = lambda entry: None
-    pair = specchat.load_pair("default", lookup_history=False)
+    pair = specchat.load_pair(pair_name, lookup_history=False)
     started = time.perf_counter()
     policy = pair.policy()
     start_seconds = time.perf_counter() - started  # a calibration measured again shows here
@@ -100,22 +101,22 @@ def chat(mode: str, n: int) -> dict:
             "text": hashlib.sha1(json.dumps(texts).encode()).hexdigest()[:12]}
 
 
-def run_chat(home: Path, mode: str, n: int, code: Path) -> dict:
+def run_chat(home: Path, mode: str, n: int, code: Path, pair: str) -> dict:
     env = {**os.environ, "SPECCHAT_HOME": str(home), "PYTHONPATH": str(code)}
     env.pop("SPECCHAT_CONFIG", None)
-    proc = subprocess.run([sys.executable, __file__, "--chat", mode, "-n", str(n), "--code", str(code)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    args = [sys.executable, __file__, "--chat", mode, "-n", str(n), "--code", str(code), "--pair", pair]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         sys.exit(f"chat in {home} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def calibrate(scratch: Path, times: int) -> dict:
+def calibrate(scratch: Path, times: int, pair: str) -> dict:
     """An honest calibration of this machine: measured `times` times, each in its own process as a first chat
     would measure it, and of each size the fastest reading kept (a shared machine only slows a timing)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("SPECCHAT_CONFIG", None)
-    code = "import specchat; pair = specchat.load_pair('default', lookup_history=False); pair.policy(); pair.close()"
+    code = f"import specchat; pair = specchat.load_pair({pair!r}, lookup_history=False); pair.policy(); pair.close()"
     tables = []
     for i in range(times):
         home = scratch / f"calibration-{i}"
@@ -138,6 +139,7 @@ def poisoned(table: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chats", type=int, default=4, help="chats in a row per setup")
+    parser.add_argument("--pair", default="default", help="pair from models.toml (default: smollm2-135m + prompt lookup)")
     parser.add_argument("-n", type=int, default=128, help="tokens per turn (at most)")
     parser.add_argument("--calibrations", type=int, default=3, help="honest calibrations, the fastest reading kept")
     parser.add_argument("--before-code", type=Path, help="a checkout whose specchat runs the 'before' chats")
@@ -146,15 +148,15 @@ def main() -> None:
     a = parser.parse_args()
     if a.chat:
         sys.path.insert(0, str(a.code or ROOT))
-        print(json.dumps(chat(a.chat, a.n)))
+        print(json.dumps(chat(a.chat, a.n, a.pair)))
         return
 
     print(f"# poisoned costs · {time.strftime('%Y-%m-%d %H:%M')} · {platform.processor() or platform.machine()} · "
-          f"{os.cpu_count()} cores · load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} · smollm2-135m + "
-          f"prompt-lookup · greedy · 2 turns of up to {a.n} tokens · {a.chats} chats per setup")
+          f"{os.cpu_count()} cores · load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} · pair {a.pair} · "
+          f"greedy · 2 turns of up to {a.n} tokens · {a.chats} chats per setup")
     scratch = Path(tempfile.mkdtemp(prefix="poisoned-costs-"))
     try:
-        honest = calibrate(scratch, a.calibrations)
+        honest = calibrate(scratch, a.calibrations, a.pair)
         entry = next(iter(honest.values()))
         quiet = dict(zip(entry["sizes"], entry["seconds"]))
         print(f"honest calibration (fastest of {a.calibrations}): 1 token {quiet[1] * 1000:.1f} ms, 8 tokens {quiet[8] * 1000:.1f} ms; poisoned: "
@@ -172,7 +174,7 @@ def main() -> None:
             for setup in order:
                 before = setup.startswith("before")
                 code = a.before_code if before and a.before_code else ROOT
-                results[setup].append(run_chat(homes[setup], "before" if before else "after", a.n, code))
+                results[setup].append(run_chat(homes[setup], "before" if before else "after", a.n, code, a.pair))
         print("\ntok/s per chat (generation, both turns); costs the policy started from (1 / 8 tokens, ms); "
               "+Ns: a calibration measured again at the start")
         header = f"{'chat':>4}"
