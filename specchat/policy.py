@@ -437,6 +437,7 @@ class AdaptivePolicy:
         tables = self.tables()
         if self.store is not None and tables:  # lookup alone keeps nothing (CARRIED): no file written
             self.store.save(tables)
+        self.verify_cost.save(self.draft_cost)  # the steps' timings, for the next process (nothing if not learned)
 
     def _count(self, step: StepStats, proposed: Sequence[int]) -> None:
         self._steps += 1
