@@ -254,14 +254,7 @@ def write(path: str | os.PathLike, shape: Shape, *, context: float, seed: int = 
     writer = gguf.GGUFWriter(str(path), shape.arch)
     writer.add_string("general.name", shape.name)
     writer.add_uint32("general.file_type", 7)  # MOSTLY_Q8_0
-    for key, value in kv.items():
-        full = f"{shape.arch}.{key}"
-        if isinstance(value, list):
-            writer.add_key_value(full, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-        elif isinstance(value, float):
-            writer.add_float32(full, value)
-        else:
-            writer.add_uint32(full, int(value))
+    tm.write_arch_keys(writer, shape.arch, kv)
     tm._write_tokenizer(writer, padded_vocabulary(shape.n_vocab))
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, data in vocab_sized.items():

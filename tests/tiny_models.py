@@ -532,14 +532,7 @@ def write_model(
     writer = gguf.GGUFWriter(str(path), arch)  # writes general.architecture
     writer.add_string("general.name", f"tiny-{arch}")
     writer.add_uint32("general.file_type", {"f32": 0, "f16": 1, "q8_0": 7}[dtype])
-    for key, value in kv.items():
-        full = f"{arch}.{key}"
-        if isinstance(value, list):
-            writer.add_key_value(full, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-        elif isinstance(value, float):
-            writer.add_float32(full, value)
-        else:
-            writer.add_uint32(full, int(value))
+    write_arch_keys(writer, arch, kv)
     _write_tokenizer(writer)
     return _write_tensors(writer, path, tensors, dtype,
                           ("token_embd.weight", "output.weight", _SHARED_HEAD.format(n_layer)))
@@ -685,6 +678,20 @@ def load(path, **kw):
     from specchat.backend import LlamaCppBackend
 
     return LlamaCppBackend(path, n_ctx=1024, n_threads=2, n_gpu_layers=0, **kw)
+
+
+def write_arch_keys(writer, arch: str, kv: dict) -> None:
+    """`<arch>.<key>` metadata: int lists as INT32 arrays, floats as float32, the rest as uint32."""
+    import gguf
+
+    for key, value in kv.items():
+        full = f"{arch}.{key}"
+        if isinstance(value, list):
+            writer.add_key_value(full, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        elif isinstance(value, float):
+            writer.add_float32(full, value)
+        else:
+            writer.add_uint32(full, int(value))
 
 
 def teacher_forced_gaps(path, prompt_ids, generated) -> np.ndarray:
