@@ -40,9 +40,10 @@ N_PROMPT = 64
 
 RUNNER = r"""
 import json, sys
-from specchat.backend import Eagle3Head, LlamaCppBackend, MtpHead
+from specchat.backend import LlamaCppBackend
 from specchat.drafters import HeadDrafter
 from specchat.engine import Finished, StepEvent, generate
+from specchat.heads import Eagle3Head, MtpHead
 from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams
 kind, target_path, head_path, prompt, n, k, threads = sys.argv[1:8]
@@ -87,13 +88,15 @@ def run_specchat(home: Path, kind: str, target: Path, head: Path | None, prompt:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_llamacpp(binary: Path, kind: str, target: Path, head: Path | None, prompt: str, n: int, k: int) -> dict:
+def run_llamacpp(binary: Path, kind: str, target: Path, head: Path | None, prompt: str, n: int, k: int,
+                 extra: tuple[str, ...] = ()) -> dict:
+    """One llama-speculative-simple run with -v; `extra` goes last (a repeated option's last value wins)."""
     args = [str(binary), "-m", str(target), "-p", prompt, "-n", str(n), "-t", str(THREADS), "-c", "2048", "--temp", "0",
             "--top-k", "1", "-s", "1", "--ignore-eos", "-ngl", "0", "-v", "--spec-type", f"draft-{kind}",
             "--spec-draft-n-max", str(k), "--spec-draft-n-min", str(k), "--spec-draft-p-min", "0"]
     if head is not None:
         args += ["-md", str(head), "-ngld", "0", "-td", str(THREADS)]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=900)
     log = out.stdout + out.stderr
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
     if out.returncode != 0 or not m:

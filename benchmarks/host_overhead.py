@@ -139,9 +139,10 @@ def part_host(a) -> None:
         pair.close()
 
 
-def llama_bench(binary: Path, model: Path, n: int, threads: int) -> float:
-    out = subprocess.run([str(binary), "-m", str(model), "-n", str(n), "-p", "0", "-t", str(threads), "-r", "3",
-                          "-ngl", "0", "-o", "json"], capture_output=True, text=True, timeout=600)
+def llama_bench(binary: Path, model: Path, n: int, threads: int, ngl: int = 0, reps: int = 3) -> float:
+    """llama-bench tg`n`: generation tok/s from an empty context, the mean of `reps` runs."""
+    out = subprocess.run([str(binary), "-m", str(model), "-n", str(n), "-p", "0", "-t", str(threads), "-r", str(reps),
+                          "-ngl", str(ngl), "-o", "json"], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return float(json.loads(out.stdout)[0]["avg_ts"])

@@ -84,13 +84,15 @@ def run_specchat(code: Path, home: Path, target: Path, draft: Path, mode: str, p
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_llamacpp(binary: Path, target: Path, draft: Path, spec: str, prompt: str, n: int) -> dict:
+def run_llamacpp(binary: Path, target: Path, draft: Path, spec: str, prompt: str, n: int,
+                 extra: tuple[str, ...] = ()) -> dict:
+    """One llama-speculative-simple run; `extra` goes last (a repeated option's last value wins: -ngl, -t)."""
     args = [str(binary), "-m", str(target), "-p", prompt, "-n", str(n), "-t", "2", "-c", "2048", "--temp", "0",
             "--top-k", "1", "-s", "1", "--ignore-eos", "-ngl", "0", "--spec-type", spec]
     if spec == "draft-simple":
         args += ["-md", str(draft), "-ngld", "0", "-td", "2", "--spec-draft-n-max", "4", "--spec-draft-n-min", "4",
                  "--spec-draft-p-min", "0"]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=900)
     log = out.stdout + out.stderr
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
     if out.returncode != 0 or not m:

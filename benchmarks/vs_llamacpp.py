@@ -76,24 +76,26 @@ def llama_cpp_version() -> str:
 
 
 def build(jobs: int, target: str = "llama-speculative-simple", variant: str = "build",
-          cmake_args: tuple[str, ...] = ()) -> Path:
+          cmake_args: tuple[str, ...] = (), *, work: Path | None = None, also: tuple[str, ...] = ()) -> Path:
     """A llama.cpp tool (llama-speculative-simple, llama-bench) from the sdist of the installed
-    llama-cpp-python, built once into the cache dir: in `build/`, or with `cmake_args` in `variant/`."""
-    version = llama_cpp_version()
-    work = cache_dir() / f"llama.cpp-{version}"
+    llama-cpp-python, built once into the cache dir: in `build/`, or with `cmake_args` in `variant/`.
+    `work`: another folder than the cache dir's (a source already in work/llama.cpp is used as it is);
+    `also`: more targets of the same build (e.g. `llama`, the shared libllama)."""
+    if work is None:
+        work = cache_dir() / f"llama.cpp-{llama_cpp_version()}"
     binary = work / variant / "bin" / target
-    if binary.exists():
+    if all((binary.parent / t).exists() or (binary.parent / f"lib{t}.so").exists() for t in (target, *also)):
         return binary
     work.mkdir(parents=True, exist_ok=True)
-    sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
-    if sdist is None:
+    source = work / "llama.cpp"
+    sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) if not source.exists() else None
+    if sdist is None and not source.exists():
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={version}", "-d", str(work)],
+             f"llama-cpp-python=={llama_cpp_version()}", "-d", str(work)],
             check=True,
         )
         sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
-    source = work / "llama.cpp"
     if not source.exists():
         prefix = f"{sdist.name[: -len('.tar.gz')]}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
@@ -108,7 +110,7 @@ def build(jobs: int, target: str = "llama-speculative-simple", variant: str = "b
         check=True,
     )
     subprocess.run(
-        ["cmake", "--build", str(work / variant), "--target", target, f"-j{jobs}"], check=True
+        ["cmake", "--build", str(work / variant), "--target", target, *also, f"-j{jobs}"], check=True
     )
     return binary
 

@@ -1,15 +1,24 @@
 """What evaluating a batch of n tokens costs on this machine: timed once per model file (a calibration,
 cached in the cache dir), then followed online by what the steps really take. The policy prices every
-draft with these (policy.py); --reproducible uses fixed reference costs instead."""
+draft with these (policy.py); --reproducible uses fixed reference costs instead.
+
+The calibration is a prior, not the last word: it is a few timings at one moment, and taken while the
+machine was busy it reads high for good (SmolLM2-135M: one token 15.9 ms and 8 tokens 73 ms busy, 10.1
+and 30 quiet; every later chat ran ~15% slower). Every verify a run times is kept per batch size (the
+latest OBSERVED_WINDOW of them, saved back into the cache file when a generation ends: CostModel.save),
+and the next process's costs combine the calibration with them (see combine); a calibration the
+observations contradict is measured again at the next load (see verdict, STALE_RATIO)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +41,33 @@ CALIBRATION_BUDGET = 4.0
 CALIBRATION_REPS = 2
 CALIBRATION_VERSION = 2
 
+# What a run observes. A timing is only ever slowed down by other load, so what a batch size costs, as
+# observed, is the lower quartile of its latest OBSERVED_WINDOW timings (the calibration keeps the faster
+# of two timings for the same reason): three in four of them can be stalls before it moves. Within one
+# process CostModel.scale and .batch follow the current load; these are what the next process starts from.
+OBSERVED_WINDOW = 64
+OBSERVED_QUANTILE = 0.25
+# The calibration counts as this many observations of each size: observations win as they accumulate.
+PRIOR_WEIGHT = 8.0
+# A calibration is contradicted (and measured again at the next load) when a size's observed cost is
+# below STALE_RATIO of its calibrated cost over at least STALE_STEPS one-token steps, or STALE_BATCHES
+# batches of one size. A run's step is the calibration's bare decode plus sampling, at a longer context,
+# so it only ever costs more (SmolLM2-135M, 2 quiet cores: one token 6.7 ms calibrated, a chat's steps
+# 8.5 ms): any clear shortfall means the calibration read high, taken while the machine was busy. The
+# margin is small on purpose: poisoned 1.6x, that calibration read 10.7 ms and the steps 9.5 (0.89x;
+# a first try at 0.8 never fired). Re-measuring fixes what observations cannot: a busy calibration's
+# ratio of batch to one-token cost (73 / 15.9 = 4.6 busy, 30 / 10.1 = 3.0 quiet) makes batches look
+# dear, so the policy sends few and would see them cheap only slowly. It is redone at the next load, not
+# between turns: the caches then hold a conversation (a recurrent model's state is copied to measure) and
+# the user is waiting for a reply. A redo keeps the faster reading of each size (the old and the new),
+# so a redo on a busy machine again loses nothing (and a needless one costs its few seconds once); at
+# most MAX_REDOS redos in a row that the observations still contradict, then the observations alone
+# correct the costs (they count for more and more).
+STALE_RATIO = 0.95
+STALE_STEPS = 32
+STALE_BATCHES = 8
+MAX_REDOS = 2
+
 
 @dataclass
 class CostModel:
@@ -44,15 +80,24 @@ class CostModel:
 
     `measured`: the costs are known only at `sizes` (a calibration), and a size in between may cost far
     more than the line between its neighbours (see CALIBRATION_SIZES), so `best_length` sends only
-    batches of those sizes. A hand-made model (measured False) is a curve: every size may be sent."""
+    batches of those sizes. A hand-made model (measured False) is a curve: every size may be sent.
+
+    Read from the cache file (cached_cost_model), `seconds` are the calibration (`prior`) combined with
+    what earlier runs observed, and every timing `update` gets is kept for `save` to write back (`cache`:
+    the file and the entry's key)."""
 
     sizes: list[int]
     seconds: list[float]
     scale: float = 1.0
     measured: bool = False
     batch: float = 1.0  # what batches of 2+ cost relative to calibration x scale, as observed
+    prior: list[float] | None = field(default=None, repr=False)  # the calibration alone, when combined
+    cache: tuple[Path, str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # timings not yet saved, per batch size: only the timed sizes (those the file keeps)
+        self._pending: dict[int, deque[float]] = {}
+        self._observable = frozenset(self.sizes)
         # base cost of every batch size up to 64, computed once: the policy asks for them every step
         n = np.arange(65, dtype=np.float64)
         table = np.interp(n, self.sizes, self.seconds)
@@ -126,7 +171,13 @@ class CostModel:
 
     def update(self, n: int, seconds: float, weight: float = 0.1) -> None:
         """Learn from one evaluation of n tokens: the machine's pace from single tokens, the batches'
-        cost relative to it from batches."""
+        cost relative to it from batches. A model read from the cache file also keeps the timing for
+        `save` (the next process's costs start from them)."""
+        if self.cache is not None and seconds > 0 and n in self._observable:
+            pending = self._pending.get(n)
+            if pending is None:
+                pending = self._pending[n] = deque(maxlen=OBSERVED_WINDOW)
+            pending.append(seconds)
         low, high = self._timed
         # inside the calibrated range the table is that interpolation, already computed
         expected = self._table_list[n] if low <= n <= high else float(np.interp(n, self.sizes, self.seconds))
@@ -138,6 +189,37 @@ class CostModel:
         else:
             ratio = min(max(seconds / (expected * self.scale), 0.5), 2.0)
             self.batch = (1 - self.BATCH_WEIGHT) * self.batch + self.BATCH_WEIGHT * ratio
+
+    def save(self, *others: CostModel | None) -> None:
+        """Write the timings this model, and each of `others` (the draft's cost; None is skipped),
+        observed since the last save into the cache entries they were read from, in one atomic
+        replacement per file: the next process starts from them (see combine). A model not read from a
+        cache file (--reproducible's fixed costs, a hand-made one) or that observed nothing (a policy
+        that learns no costs) writes nothing."""
+        due: dict[Path, list[CostModel]] = {}
+        for model in (self, *others):
+            if model is None or model.cache is None or not model._pending:
+                continue
+            group = due.setdefault(model.cache[0], [])
+            if all(model is not m for m in group):
+                group.append(model)
+        for path, models in due.items():
+            table = read_table(path)
+            if any([model._merge_into(table) for model in models]):  # (a list: every model's merged)
+                write_atomic(path, json.dumps(table, indent=1))
+
+    def _merge_into(self, table: dict) -> bool:
+        pending, self._pending = self._pending, {}
+        entry = table.get(self.cache[1])
+        if not isinstance(entry, dict) or not isinstance(entry.get("sizes"), list):
+            return False  # the entry is gone (the cache was cleared): the next run measures again
+        observed = observations(entry)
+        for n, values in pending.items():
+            observed[n] = (observed.get(n, []) + [round(v, 7) for v in values])[-OBSERVED_WINDOW:]
+        entry["observed"] = {str(n): values for n, values in sorted(observed.items())}
+        if entry.get("redone") and verdict(entry) is False:
+            del entry["redone"]  # the last redo holds: a later contradiction may be redone again
+        return True
 
     @classmethod
     def measure(cls, backend, sizes: Sequence[int] = CALIBRATION_SIZES, reps: int = CALIBRATION_REPS,
@@ -201,20 +283,109 @@ def cost_cache_key(backend: Backend) -> str:
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
+def read_table(cache_file: Path) -> dict:
+    """The cost cache file's entries by key ({} for a missing, unreadable or foreign file)."""
+    try:
+        table = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def observations(entry: dict) -> dict[int, list[float]]:
+    """An entry's observed timings per batch size (what CostModel.save wrote); anything malformed is
+    left out."""
+    saved = entry.get("observed")
+    out: dict[int, list[float]] = {}
+    if not isinstance(saved, dict):
+        return out
+    for size, values in saved.items():
+        try:
+            n = int(size)
+        except (TypeError, ValueError):
+            continue
+        if n < 1 or not isinstance(values, list):
+            continue
+        good = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+        if good:
+            out[n] = good[-OBSERVED_WINDOW:]
+    return out
+
+
+def observed_cost(values: Sequence[float]) -> float:
+    """What a batch size costs, from its observed timings: their lower quartile (see OBSERVED_QUANTILE)."""
+    return float(np.quantile(values, OBSERVED_QUANTILE))
+
+
+def combine(sizes: Sequence[int], seconds: Sequence[float], observed: dict[int, list[float]]) -> list[float]:
+    """The costs a process starts from: the calibration (`seconds` at `sizes`) moved toward what runs
+    observed. In logs, for each size n with m_n observations, x_n = log(observed cost / calibrated cost),
+    weighted w_n = m_n / (m_n + PRIOR_WEIGHT). The one-token steps, which every run times, give the
+    machine's pace p = w_1 x_1, and every size moves with it: a calibration under load read them all high.
+    How much more the batches are off, y_n = x_n - p, is pooled over the batch sizes sent into b (shrunk
+    toward 0 by PRIOR_WEIGHT) for the sizes never sent, and each size sent goes its own way as its
+    observations accumulate:
+
+        log cost_n = log calibrated_n + p + b + w_n (y_n - b)    (n >= 2; for n = 1: + p)
+
+    A busy calibration's batches, which the policy then sends rarely, come down with the one-token pace
+    at once; what is left of their error (the batch/one-token ratio it read) comes down with each batch
+    sent, and with a redo (see STALE_RATIO)."""
+    calibrated = dict(zip(sizes, seconds))
+    x = {n: math.log(observed_cost(v) / calibrated[n]) for n, v in observed.items()
+         if n in calibrated and calibrated[n] > 0}
+    if not x:
+        return list(seconds)
+    count = {n: len(observed[n]) for n in x}
+    weight = {n: m / (m + PRIOR_WEIGHT) for n, m in count.items()}
+    pace = weight[1] * x[1] if 1 in x else 0.0
+    batch_sizes = [n for n in x if n >= 2]
+    pooled = (sum(count[n] * (x[n] - pace) for n in batch_sizes)
+              / (sum(count[n] for n in batch_sizes) + PRIOR_WEIGHT)) if batch_sizes else 0.0
+    out = []
+    for n, c in zip(sizes, seconds):
+        if n == 1:
+            delta = pace
+        else:
+            own = weight[n] * (x[n] - pace - pooled) if n in x else 0.0
+            delta = pace + pooled + own
+        out.append(c * math.exp(delta))
+    return out
+
+
+def verdict(entry: dict) -> bool | None:
+    """Whether the observations contradict the entry's calibration (True: measure it again; see
+    STALE_RATIO), hold it (False), or are too few to say (None)."""
+    calibrated = dict(zip(entry.get("sizes", ()), entry.get("seconds", ())))
+    judged = False
+    for n, values in observations(entry).items():
+        if n not in calibrated or len(values) < (STALE_STEPS if n == 1 else STALE_BATCHES):
+            continue
+        judged = True
+        if observed_cost(values) < STALE_RATIO * calibrated[n]:
+            return True
+    return False if judged else None
+
+
+def _from_entry(entry: dict, cache_file: Path | None, key: str) -> CostModel:
+    sizes, seconds = list(entry["sizes"]), list(entry["seconds"])
+    return CostModel(sizes, combine(sizes, seconds, observations(entry)), measured=True, prior=seconds,
+                     cache=(cache_file, key) if cache_file is not None else None)
+
+
+def _calibration(backend, model: CostModel) -> dict:
+    return {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time(),
+            "budget": CALIBRATION_BUDGET, "version": CALIBRATION_VERSION}
+
+
 def cached_cost_model(backend, cache_file: Path | None,
                       notify: Callable[[str, float], None] | None = None) -> CostModel:
     """The backend's cost model from the cache file, measuring (a few seconds, once per model file and
-    thread count) on a miss. `notify(model name, estimated seconds)` is called before a measurement.
+    thread count) on a miss, or again when what runs observed contradicts the calibration (see
+    STALE_RATIO). `notify(model name, estimated seconds)` is called before a measurement.
     The cache file is replaced atomically: an interrupted run never leaves half a file."""
     key = cost_cache_key(backend)
-    table = {}
-    if cache_file is not None and cache_file.exists():
-        try:
-            table = json.loads(cache_file.read_text())
-        except (OSError, ValueError):
-            table = {}
-        if not isinstance(table, dict):
-            table = {}
+    table = read_table(cache_file) if cache_file is not None and cache_file.exists() else {}
     entry = table.get(key)
     # an entry timed at other sizes (an older specchat), or short of the sizes every calibration times,
     # is measured again: the policy sends only the sizes it has timed
@@ -224,15 +395,40 @@ def cached_cost_model(backend, cache_file: Path | None,
     # long lookup drafts are sent only at sizes that were timed
     complete = bool(sizes) and (sizes[-1] == CALIBRATION_SIZES[-1] or entry.get("budget", 0.0) >= CALIBRATION_BUDGET)
     current = isinstance(entry, dict) and entry.get("version") == CALIBRATION_VERSION  # timed as today's is
-    if (sizes and current and sizes == list(CALIBRATION_SIZES[: len(sizes)]) and sizes[-1] >= need and complete
-            and len(entry.get("seconds", ())) == len(sizes)):
-        return CostModel(entry["sizes"], entry["seconds"], measured=True)
+    usable = bool(sizes and current and sizes == list(CALIBRATION_SIZES[: len(sizes)]) and sizes[-1] >= need
+                  and complete and len(entry.get("seconds", ())) == len(sizes))
+    redone = entry.get("redone", 0) if usable else 0
+    redo = usable and verdict(entry) is True and isinstance(redone, int) and redone < MAX_REDOS
+    if usable and not redo:
+        return _from_entry(entry, cache_file, key)
     model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s)) if notify is not None else None)
-    if cache_file is not None:
-        table[key] = {"name": backend.name, "sizes": model.sizes, "seconds": model.seconds, "measured": time.time(),
-                      "budget": CALIBRATION_BUDGET, "version": CALIBRATION_VERSION}
-        write_atomic(cache_file, json.dumps(table, indent=1))
-    return model
+    if cache_file is None:
+        return model
+    fresh = _calibration(backend, model)
+    if redo:
+        # contradicted (see STALE_RATIO): of each size the faster reading, the old or the new one, and
+        # the observations kept, so a redo on a busy machine again loses nothing
+        old = dict(zip(sizes, entry["seconds"]))
+        merged = dict(old)
+        merged.update({n: min(s, old.get(n, s)) for n, s in zip(model.sizes, model.seconds)})
+        longer = sizes if len(sizes) > len(model.sizes) else model.sizes
+        fresh["sizes"], fresh["seconds"] = list(longer), [merged[n] for n in longer]
+        fresh["observed"] = {str(n): v for n, v in sorted(observations(entry).items())}
+        fresh["redone"] = redone + 1
+    table[key] = fresh
+    write_atomic(cache_file, json.dumps(table, indent=1))
+    return _from_entry(fresh, cache_file, key)
+
+
+def recalibrate(backend, cache_file: Path, notify: Callable[[str, float], None] | None = None) -> CostModel:
+    """Measure the backend again and replace its cache entry, what runs observed included: a fresh
+    start (`specchat report --recalibrate`)."""
+    key = cost_cache_key(backend)
+    model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s)) if notify is not None else None)
+    table = read_table(cache_file)
+    table[key] = _calibration(backend, model)
+    write_atomic(cache_file, json.dumps(table, indent=1))
+    return _from_entry(table[key], cache_file, key)
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -39,12 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, HeldPrefix, VocabFile, common_prefix, sync
 from . import kinds
+from .backend import Backend, HeldPrefix, common_prefix, sync
 from .drafters import Draft, ModelDrafting, draft_token
 from .sampling import (
     Dist, SamplingParams, apply_penalties, draft_confidence, penalty_window, process, sample, top_k_ids,
 )
+from .vocab import VocabFile
 
 RULES = ("auto", "slem", "tli")
 # auto uses TLI (at temperature > 0) only when at least this share of the draft's tokens exist in the

@@ -17,9 +17,11 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from . import kinds
-from .backend import Backend, BackendError, Eagle3Head, HeldPrefix, LlamaCppBackend, MtpHead, check_compatible, common_prefix, sync
+from .backend import Backend, BackendError, HeldPrefix, LlamaCppBackend, common_prefix, sync
+from .heads import Eagle3Head, MtpHead
 from .kinds import DrafterKind
 from .sampling import Dist, SamplingParams, draft_step, greedy_token, penalty_window, process, sample
+from .vocab import check_compatible
 
 
 @dataclass

@@ -10,11 +10,13 @@ from pathlib import Path
 
 from . import kinds
 from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
-from .backend import MAX_SNAPSHOTS, Backend, BackendError, LlamaCppBackend, gguf_arch
+from .backend import Backend, BackendError, LlamaCppBackend
 from .config import Config, ModelSpec
 from .costs import CostModel, cached_cost_model, cost_cache_key, reference_cost_model
 from .drafters import Chain, Drafter, members, own_backends
+from .gguf_header import gguf_arch
 from .kinds import DrafterKind
+from .memory import MAX_SNAPSHOTS
 from .paths import cache_dir
 from .policy import AcceptanceStore, AdaptivePolicy, FixedPolicy, Policy
 from .sources import resolve

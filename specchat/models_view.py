@@ -6,11 +6,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .backend import BackendError, arch_memory, check_compatible, gguf_arch, gguf_nextn_layers, gguf_values, read_vocab
+from .backend import BackendError
 from . import kinds
 from .config import Config, ConfigError, load_config
 from .crossvocab import file_vocab_map, vocabulary_note
+from .gguf_header import gguf_arch, gguf_nextn_layers, gguf_values
+from .memory import arch_memory
 from .sources import SourceError, describe, is_present, resolve
+from .vocab import check_compatible, read_vocab
 
 
 def models_command() -> None:

@@ -314,6 +314,8 @@ class AdaptivePolicy:
             if member.store is not None and tables:  # lookup keeps nothing across processes: no file written
                 member.store.save(tables)
             member.proposed = False
+        # the steps' timings, for the next process (nothing where no cost was learned)
+        self.verify_cost.save(*(member.draft_cost for member in self.members))
 
     def _steps_cost(self, n: int) -> float:
         """What a batch of n tokens costs here, in one-token steps."""

@@ -13,13 +13,15 @@ import math
 
 import numpy as np
 
-from specchat.backend import BackendError, MemoryKind, VocabInfo
+from specchat.backend import BackendError
 from specchat.drafters import Draft, DraftModel, ModelDrafting
 from specchat.kinds import DrafterKind
 from specchat.lookup import Evidence, PromptLookup
+from specchat.memory import MemoryKind
 from specchat.policy import AdaptivePolicy
 from specchat.costs import CostModel
 from specchat.sampling import SamplingParams, sample
+from specchat.vocab import VocabInfo
 
 LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
 

@@ -14,13 +14,14 @@ from real_models import (
     GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, specchat, teacher_forced_gaps,
 )
 
-from specchat.backend import LlamaCppBackend, check_compatible
+from specchat.backend import LlamaCppBackend
 from specchat.config import load_config
 from specchat.crossvocab import CrossVocabDrafter
 from specchat.loader import LoadOptions, Selection, load
 from specchat.runner import RunOptions
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
+from specchat.vocab import check_compatible
 
 pytestmark = pytest.mark.real
 

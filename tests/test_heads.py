@@ -17,11 +17,13 @@ import tiny_models
 from fakes import ALPHA, FakeBackend, assert_user_error, chi2_pvalue
 
 from specchat import Conversation
-from specchat.backend import BackendError, Eagle3Head, MemoryKind, MtpHead
+from specchat.backend import BackendError
 from specchat.drafters import HeadDrafter
 from specchat.engine import Finished, StepEvent, TokenEvent, generate
 from specchat import kinds
 from specchat.drafters import ModelDrafting
+from specchat.heads import Eagle3Head, MtpHead
+from specchat.memory import MemoryKind
 from specchat.policy import AdaptivePolicy, FixedPolicy
 from specchat.sampling import SamplingParams, process
 
@@ -529,10 +531,10 @@ def test_cli_spec_type_errors(cli, mtp_files, tmp_path, args, needle):
 def test_cli_a_llama_cpp_python_without_the_staging_api(cli, mtp_files, tmp_path, monkeypatch):
     """An older llama-cpp-python whose libllama lacks llama_set_embeddings_nextn: one line naming the version
     that has it."""
-    import specchat.backend as backend_module
+    import specchat.compat as compat_module
 
-    monkeypatch.setattr(backend_module, "_nextn_api", None)
-    monkeypatch.setitem(backend_module._NEXTN_SYMBOLS, "set_embeddings_nextn", "_Z_not_in_this_build")
+    monkeypatch.setattr(compat_module, "_nextn_api", None)
+    monkeypatch.setitem(compat_module._NEXTN_SYMBOLS, "set_embeddings_nextn", "_Z_not_in_this_build")
     path, _ = mtp_files
     assert_user_error(cli("prompt", " house", "-m", str(path), "-md", "mtp", home=tmp_path),
                       "llama-cpp-python >= 0.3.36", "llama_set_embeddings_nextn")

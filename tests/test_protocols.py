@@ -12,12 +12,13 @@ import typer
 from fakes import FakeBackend, ScriptedDrafter, make_draft_model
 
 from specchat import cli, options
-from specchat.backend import Backend, VocabInfo
+from specchat.backend import Backend
 from specchat.costs import CostModel
 from specchat.drafters import Chain, Drafter
 from specchat.loader import make_policy
 from specchat.lookup import PromptLookup
 from specchat.policy import AdaptivePolicy, FixedPolicy, Policy
+from specchat.vocab import VocabInfo
 
 COST = CostModel([1, 2], [0.01, 0.02])
 

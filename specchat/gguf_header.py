@@ -1,0 +1,121 @@
+"""What a GGUF file's header says, read without llama.cpp: `check_gguf_file` looks at its magic before
+llama.cpp sees the file, and `gguf_values` reads its metadata (architecture, trained context length, MTP
+layers, an EAGLE-3 head's target layers, vocabulary size) for `specchat models`, the loader and the
+backends, without loading anything. Not `gguf.py`: that would shadow the `gguf` package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import BackendError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: Path) -> None:
+    """Fail with a clear message before llama.cpp sees a file it would reject with a generic error."""
+    if not path.exists():
+        raise BackendError(f"model file not found: {path}")
+    if path.is_dir():
+        raise BackendError(f"model path is a directory, not a GGUF file: {path}")
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise BackendError(f"cannot read model file {path}: {e.strerror}") from None
+    if head[:4] != GGUF_MAGIC:
+        raise BackendError(f"not a GGUF file (no GGUF header): {path}")
+    if len(head) < 8:
+        raise BackendError(f"GGUF file is truncated: {path}")
+
+
+def gguf_context_length(path: Path) -> int | None:
+    """The context length a GGUF file says its model was trained for (`<arch>.context_length`), read
+    from the header without loading anything; None when it cannot be read."""
+    return gguf_header(path)[1]
+
+
+def gguf_arch(path: Path) -> str | None:
+    """The file's `general.architecture` ("llama", "qwen35", "mamba2", ...), or None."""
+    return gguf_header(path)[0]
+
+
+def gguf_header(path: Path) -> tuple[str | None, int | None]:
+    """(architecture, trained context length) from a GGUF header, without loading anything."""
+    arch, values = gguf_values(path)
+    return arch, values.get("context_length")
+
+
+def gguf_nextn_layers(path: Path) -> int:
+    """How many MTP / NextN layers the file's model carries (`<arch>.nextn_predict_layers`, what
+    llama_model_n_layer_nextn reports once loaded); 0 when none or unreadable."""
+    return int(gguf_values(path)[1].get("nextn_predict_layers", 0))
+
+
+def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
+    """(architecture, the integer `<arch>.*` keys, and an EAGLE-3 head's `target_layers` as a tuple) from a
+    GGUF header, without loading anything; `vocab_size` is the tokenizer's token count where the header
+    has no such key."""
+    import struct
+
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
+    ints = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 10: "Q", 11: "q"}
+    try:
+        with path.open("rb") as f:
+            def read(fmt: str):
+                data = f.read(struct.calcsize(fmt))
+                return struct.unpack("<" + fmt, data)[0]
+
+            def string() -> bytes:
+                return f.read(read("Q"))
+
+            def skip(kind: int) -> None:
+                if kind in sizes:
+                    f.seek(sizes[kind], 1)
+                elif kind == 8:
+                    f.seek(read("Q"), 1)
+                elif kind == 9:
+                    inner, count = read("I"), read("Q")
+                    if inner in sizes:
+                        f.seek(sizes[inner] * count, 1)
+                    else:
+                        for _ in range(count):
+                            skip(inner)
+                else:
+                    raise ValueError(kind)
+
+            if f.read(4) != GGUF_MAGIC or read("I") < 2:
+                return None, None
+            read("Q")  # tensors
+            values: dict[bytes, int] = {}
+            arch = None
+            n_vocab = 0
+            for _ in range(read("Q")):
+                key, kind = string(), read("I")
+                if key == b"general.architecture" and kind == 8:
+                    arch = string()
+                elif kind in ints and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
+                    values[key] = read(ints[kind])
+                elif kind == 9 and key == b"tokenizer.ggml.tokens":  # the vocabulary: only its size is kept
+                    read("I")  # the element type (strings)
+                    n_vocab = read("Q")
+                    f.seek(-12, 1)
+                    skip(kind)
+                elif kind == 9 and key.endswith(b".target_layers"):  # an EAGLE-3 head's layer ids
+                    inner, count = read("I"), read("Q")
+                    if inner not in ints:
+                        f.seek(-12, 1)
+                        skip(kind)
+                        continue
+                    values[key] = tuple(read(ints[inner]) for _ in range(count))
+                else:
+                    skip(kind)
+            name = arch.decode("utf-8", "replace") if arch else None
+            prefix = (arch or b"") + b"."
+            found = {k[len(prefix):].decode(): v for k, v in values.items() if k.startswith(prefix)}
+            if n_vocab and "vocab_size" not in found:
+                found["vocab_size"] = n_vocab
+            return name, found
+    except (OSError, ValueError, struct.error):
+        return None, {}
