@@ -43,7 +43,7 @@ Draft = Annotated[
 ]
 SpecType = Annotated[
     str | None,
-    typer.Option("--spec-type", help="llama.cpp's spelling of the drafter, or a chain of them comma-separated (draft-mtp,ngram-simple): draft-simple (a draft model, -md), draft-eagle3 (-md names the head), draft-mtp (the target's own MTP layers, = -md mtp), ngram-simple / ngram-map-k / ngram-map-k4v / ngram-mod / ngram-cache (all = -md prompt-lookup). A chain is priced each step and the best draft sent.", rich_help_panel=SPEC),
+    typer.Option("--spec-type", help="llama.cpp's spelling of the drafter, or a chain of them separated by commas, no spaces: draft-simple (a draft model, -md), draft-eagle3 (-md names the head), draft-mtp (the target's own MTP layers, = -md mtp), ngram-simple / ngram-map-k / ngram-map-k4v / ngram-mod / ngram-cache (all = -md prompt-lookup). A chain is priced each step and the best draft sent.", rich_help_panel=SPEC),
 ]
 Pair = Annotated[
     str | None,
