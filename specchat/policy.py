@@ -37,9 +37,12 @@ DRAFT_MARGIN = 1.04
 DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it
 # A drafter whose tokens cost time and that has not drafted for this many steps gets one short draft
 # anyway (PROBE_TOKENS, priced as any draft in the stats): an estimate that rules a drafter out is never
-# corrected otherwise (an MTP head measured at 94-100% acceptance was asked in 0 of 96 steps).
+# corrected otherwise (an MTP head measured at 94-100% acceptance was asked in 0 of 96 steps). A probe
+# that would cost more than PROBE_SHARE of the idle steps' time, should it all be wasted (a recurrent
+# target's 200 ms checkpoints against 20 ms steps), waits that much longer.
 PROBE_AFTER = 32
 PROBE_TOKENS = 2
+PROBE_SHARE = 0.03
 
 
 @runtime_checkable
@@ -246,6 +249,15 @@ class AdaptivePolicy:
                 n = batch - 1
         return n, rate
 
+    def _probe_due(self, member: Member, limit: int) -> bool:
+        """Whether a member its estimate rules out has been idle long enough for a probe (see PROBE_SHARE)."""
+        if member.idle < PROBE_AFTER:
+            return False
+        n = min(PROBE_TOKENS, limit)
+        per_token = member.draft_cost(1) if member.draft_cost is not None else 0.0
+        waste = self.verify_cost(n + 1) - self.verify_cost(1) + n * per_token + self.rollback
+        return waste <= PROBE_SHARE * member.idle * self.verify_cost(1)
+
     def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> Draft:
         self._proposals, self._chosen = {}, None
@@ -268,7 +280,7 @@ class AdaptivePolicy:
                 n, rate = 0, 0.0
             if n and (best is None or rate > best[0]):
                 best = (rate, n, member)
-            elif not n and not member.free and member.possible and member.idle >= PROBE_AFTER and probe is None:
+            elif not n and not member.free and member.possible and probe is None and self._probe_due(member, limit):
                 probe = member
         if best is None and probe is not None:
             best = (0.0, min(PROBE_TOKENS, limit), probe)

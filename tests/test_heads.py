@@ -24,7 +24,7 @@ from specchat import kinds
 from specchat.drafters import ModelDrafting
 from specchat.heads import Eagle3Head, MtpHead
 from specchat.memory import MemoryKind
-from specchat.policy import PROBE_AFTER, AdaptivePolicy, FixedPolicy
+from specchat.policy import AdaptivePolicy, FixedPolicy
 from specchat.sampling import SamplingParams, process
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -418,9 +418,9 @@ def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_pat
         # a step whose 3 drafted tokens took 3x what the calibration says: the per-token cost goes up
         step = StepStats(step=0, drafted=3, accepted=2, emitted=3, decided=3, draft_seconds=9 * per_token,
                          verify_seconds=0.001, planned=3, source="mtp")
-        # the head drafts this step, whatever its price on this tiny file (a probe: it was idle long enough)
+        # the head drafts this step, whatever its price on this tiny file (a probe: it was idle for ages)
         member = policy.members[0]
-        member.possible, member.idle = True, PROBE_AFTER
+        member.possible, member.idle = True, 10**6
         target.eval([1, 2, 3, 4], [3])  # (the head reads the target's hidden rows of the context)
         sent = policy.draft(drafter, [1, 2, 3, 4], 3, SamplingParams(temperature=0.0), np.random.default_rng(0))
         assert sent.drafter is drafter and sent.tokens
