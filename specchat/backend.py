@@ -328,6 +328,14 @@ class LlamaCppBackend:
     # -- evaluation --------------------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
+        if not self.rpc:
+            return self._eval(tokens, logits_at, in_place=in_place)
+        # On workers, llama.cpp's calls (the decode, the logits' read that waits for it) block for good on
+        # one that stops answering: rpc.Watchdog ends the command past a deadline or on a signal.
+        with rpc_workers.watchdog().waiting_on(self.rpc, len(tokens)):
+            return self._eval(tokens, logits_at, in_place=in_place)
+
+    def _eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False) -> np.ndarray:
         n = len(tokens)
         if len(self.tokens) + n > self.n_ctx:
             raise BackendError(
@@ -469,6 +477,12 @@ class LlamaCppBackend:
         `batch`: the size of the one eval that follows before the cut (None: several may), which
         recurrent snapshots can undo without a copy. `turn`: the start of a reply, kept while the reply's
         own steps take theirs. A no-op for attention-only models."""
+        if not self.rpc:
+            return self._checkpoint(batch, turn=turn)
+        with rpc_workers.watchdog().waiting_on(self.rpc, 1):  # (a state copy reads the workers' memory)
+            return self._checkpoint(batch, turn=turn)
+
+    def _checkpoint(self, batch: int | None, *, turn: bool) -> None:
         if self.memory.kind == "kv":
             return
         started = time.perf_counter()

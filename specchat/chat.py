@@ -21,8 +21,7 @@ from . import options as opt
 from . import rpc, slash, ui
 from .backend import sync
 from .conversation import Conversation, Turn
-from .drafters import reads_target
-from .errors import SpecchatError
+from .errors import BackendError, SpecchatError
 from .loader import Loaded
 from .paths import data_dir
 from .runner import RunOptions, Terminated, check_text, loading, measuring, measuring_notice, run_options
@@ -170,12 +169,12 @@ class ChatSession:
         if not endpoints:
             self.notice("the target already runs on this machine")
             return
-        if reads_target(self.loaded.drafter):
-            self.notice("the drafting head runs on the target's context: restart without --rpc to move it",
-                        "spec.error")
-            return
         self.notice(f"loading {target.name} on this machine…")
-        local = self.loaded.target_here()
+        try:
+            local = self.loaded.target_here()
+        except BackendError as e:  # (it did not fit here, say): the chat goes on as it was
+            self.notice(f"/rpc off failed: {e}", "spec.error")
+            return
         self.conversation.target = local
         self.rebuild_policy()
         self.notice(f"the target runs on this machine now ({local.n_layer} layers); the conversation is kept "
@@ -216,7 +215,7 @@ class ChatSession:
         evaluated_before = conv.target.evaluated
         stopped: KeyboardInterrupt | None = None
         try:
-            with no_echo():
+            with no_echo(), self._saved_if_a_worker_stops(turn):
                 ui.show(turn, self._view())
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
             stopped = e
@@ -232,6 +231,26 @@ class ChatSession:
         finally:
             if isinstance(stopped, Terminated):
                 raise stopped  # the partial reply is saved: now end the chat
+
+    @contextmanager
+    def _saved_if_a_worker_stops(self, turn: Turn):
+        """On RPC workers: if the process is ended while a worker does not answer (rpc.Watchdog, from its
+        own thread: the turn's generator is blocked inside llama.cpp), the reply so far is saved first."""
+        if not self.loaded.target.rpc:
+            yield
+            return
+
+        def save_partial(line: str) -> None:
+            if turn.message is None and turn.token_ids:
+                self.save({"role": "assistant", "content": "".join(turn.pieces), "finish_reason": "interrupted",
+                           "interrupted": True, "target": self.loaded.target_spec.name, "drafter": self.drafter_label})
+
+        callbacks = rpc.watchdog().on_stop
+        callbacks.append(save_partial)
+        try:
+            yield
+        finally:
+            callbacks.remove(save_partial)
 
     def _keep(self, turn: Turn, evaluated_before: int) -> None:
         if turn.message is None:

@@ -243,6 +243,11 @@ class CrossVocabDrafter(ModelDrafting):
 
     # -- which rule ----------------------------------------------------------------------------------
 
+
+    def retarget(self, target: Backend) -> None:
+        """The target was loaded again (`/rpc off`): the same file, so the vocabulary map still holds; only
+        the backend its texts are read through changes."""
+        self.target = target
     def rule_for(self, params: SamplingParams) -> str:
         if self.rule != "auto":
             return self.rule

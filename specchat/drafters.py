@@ -86,6 +86,10 @@ class Drafter(Protocol):
     def carried(self) -> dict[str, Any]:
         """The estimates worth keeping for the next process (each with as_dict / absorb), by name."""
 
+    # Optional: `retarget(target)`, for a drafter that holds the target but not its context (a draft with
+    # another tokenizer reads its texts), called when the target is loaded again (/rpc off). A drafter of
+    # a kind that reads the target's context (`reads_target`) is built again by its factory instead.
+
 
 class Chain:
     """Several drafters for one target (`--spec-type draft-mtp,ngram-simple`, a pair's `draft = [...]`):
@@ -121,13 +125,6 @@ def own_backends(drafter) -> list[Backend]:
     if drafter is None:
         return []
     return [m.backend for m in members(drafter) if getattr(m, "backend", None) is not None]
-
-
-def reads_target(drafter) -> bool:
-    """Whether a drafter (or a chain member) reads the target's own context (a head): it cannot outlive the
-    target's backend."""
-    return drafter is not None and any(getattr(getattr(m, "kind", None), "reads_target", False)
-                                       for m in members(drafter))
 
 
 def describe(drafter) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import rpc as rpc_workers
 from .backend import LlamaCppBackend
 from .compat import nextn_api
 from .errors import BackendError
@@ -231,6 +232,10 @@ class Eagle3Head(HeadBackend):
             raise BackendError(f"{path.name} is a {arch} model, not an EAGLE-3 head")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        here = rpc_workers.devices_here()  # never on a worker (the default list would include them)
+        if here is not None:
+            devices = (ctypes.c_void_p * (len(here) + 1))(*here, None)  # NULL-terminated, lives through the load
+            params.devices = ctypes.cast(devices, ctypes.c_void_p)
         self._model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise BackendError(f"llama.cpp could not load the EAGLE-3 head {path}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import kinds
@@ -57,6 +57,10 @@ class Loaded:
     drafter_label: str  # "prompt-lookup", "mtp", a draft model's name, "prompt-lookup + NAME" (a chain), or "none"
     # why drafting is off although a drafter was asked for (one line for the user), or None
     drafting_off: str | None = None
+    # how each drafter (each chain member, in order) was built, to build it again on another target
+    # (/rpc off); empty where a caller made the drafter itself
+    builds: tuple[Build, ...] = ()
+    opts: LoadOptions | None = None
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` in the target's chat template (or the fallback for base models)."""
@@ -81,17 +85,48 @@ class Loaded:
         return line + (f" · {self.drafting_off}" if self.drafting_off else "")
 
     def target_here(self) -> Backend:
-        """`/rpc off`: load the target again on this machine and let go of the one on the RPC workers,
-        abandoned (never freed) when a worker was already gone: freeing its buffers there would abort."""
+        """`/rpc off`: load the target again on this machine, with the options it was loaded with (-c, -ngl
+        as given, -fa, its MTP layers), and let go of the one on the RPC workers, abandoned (never freed)
+        when a worker was already gone: freeing its buffers there would abort. A drafter that reads the
+        target's context (a head) is built again on the new target by its kind's factory; the others
+        keep their own model and are pointed at the new target (`retarget`)."""
         remote = self.target
+        opts = self.opts or LoadOptions()
         gone = rpc_workers.unreachable(remote.rpc)
-        local = LlamaCppBackend(remote.path, n_ctx=remote.n_ctx, n_threads=remote.n_threads, name=remote.name,
-                                snapshots=remote.memory.snapshots, outputs=remote.outputs)
+        local = LlamaCppBackend(remote.path, n_ctx=remote.n_ctx, n_gpu_layers=opts.n_gpu_layers,
+                                n_threads=remote.n_threads, name=remote.name, flash_attn=remote.flash_attn,
+                                snapshots=remote.memory.snapshots, mtp=remote.mtp_loaded, outputs=remote.outputs)
+        try:
+            drafters = list(members(self.drafter)) if self.drafter is not None else []
+            rebuilt = []
+            for i, drafter in enumerate(drafters):
+                if drafter.kind.reads_target:
+                    if i >= len(self.builds):
+                        raise BackendError(f"cannot move the {drafter.kind.label} off the RPC workers: "
+                                           "restart without --rpc")
+                    rebuilt.append((i, drafter.kind.build(replace(self.builds[i], target=local))))
+        except BaseException:
+            local.close()
+            raise
+        for i, drafter in rebuilt:
+            old = drafters[i]
+            if gone:  # its context lives on the dead worker's weights
+                rpc_workers.abandon(old.backend)
+            else:
+                old.backend.close()
+            drafters[i] = drafter
+        for drafter in drafters:
+            retarget = getattr(drafter, "retarget", None)
+            if retarget is not None:
+                retarget(local)
         if gone:
             rpc_workers.abandon(remote)
         else:
             remote.close()
         self.target = local
+        self.builds = tuple(replace(b, target=local) for b in self.builds)
+        if drafters:
+            self.drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
         return local
 
     def close(self) -> None:
@@ -202,25 +237,29 @@ def load(
     built: list[tuple[Drafter, str]] = []
     try:
         if not planned:
-            return Loaded(target, None, target_spec, None, "none")
+            return Loaded(target, None, target_spec, None, "none", opts=opts)
         if target.memory.kind == "none":  # every rejected draft would re-read the conversation
             return Loaded(target, None, target_spec, None, "none", drafting_off=_cannot_cut(target))
         draft_spec = next((spec for _, spec, _ in planned if spec is not None), None)
         off: list[str] = []
+        builds: list[Build] = []
         for kind, spec, path in planned:
-            drafter = kind.build(Build(target, target_spec, opts, threads, status, spec, path))
+            build = Build(target, target_spec, opts, threads, lambda message: None, spec, path)
+            drafter = kind.build(replace(build, status=status))
             if drafter.backend is not None and drafter.backend.memory.kind == "none":
                 off.append(_cannot_cut(drafter.backend))
                 drafter.backend.close()
                 continue
             built.append((drafter, spec.name if spec is not None else (kind.word or kind.name)))
+            builds.append(build)
         if not built:
             return Loaded(target, None, target_spec, None, "none", drafting_off=off[0] if off else None)
         note = None
         if off:  # the rest of the chain drafts: say which drafter is off
             note = off[0].replace("drafting off", f"that drafter is off; {' + '.join(n for _, n in built)} drafts")
         drafter = built[0][0] if len(built) == 1 else Chain([d for d, _ in built])
-        return Loaded(target, drafter, target_spec, draft_spec, " + ".join(n for _, n in built), drafting_off=note)
+        return Loaded(target, drafter, target_spec, draft_spec, " + ".join(n for _, n in built), drafting_off=note,
+                      builds=tuple(builds), opts=opts)
     except BaseException:
         for drafter, _ in built:
             if drafter.backend is not None:

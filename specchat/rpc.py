@@ -13,16 +13,26 @@ the libraries llama-cpp-python installs when it is built with `-DGGML_RPC=on`:
 ggml's client aborts the process when a worker cannot be reached or stops answering (GGML_ABORT). So
 endpoints are probed from Python first (connect + the protocol's HELLO, with a timeout), and an abort
 callback turns a worker lost mid-evaluation into one line and exit code 2 instead of a core dump.
+
+A worker that is there but silent (stopped, wedged, its host asleep) is another matter: ggml's calls
+block on its socket without a deadline, and a signal's Python handler waits for them to return. So every
+decode on workers runs inside `waiting_on` (see Watchdog): past a deadline, or on Ctrl-C / SIGTERM /
+SIGHUP, a thread of ours says which workers and ends the process, and what chat saved stays saved.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
+import signal
 import socket
 import struct
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,6 +263,12 @@ def local_gpu_devices() -> list[int]:
     return out
 
 
+def devices_here() -> list[int] | None:
+    """The device list for a model that must stay on this machine: None (llama.cpp's default) until a worker
+    is registered in this process, after which the default list would include the workers."""
+    return local_gpu_devices() if _registered else None
+
+
 def device_memory(device: RpcDevice) -> tuple[int, int]:
     """(free, total) bytes the worker reports for its device."""
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -290,6 +306,116 @@ def _install_abort_handler() -> None:
 
     _abort_cb = _ABORT_TYPE(on_abort)
     libs().base.ggml_set_abort_callback(ctypes.cast(_abort_cb, ctypes.c_void_p))
+
+
+# -- a worker that stops answering ------------------------------------------------------------------
+
+# A decode on workers may take this much longer than the slowest one seen (per token, for its size) before
+# the worker is called silent: generous, since a network has hiccups and a worker's first batch of a
+# new size builds its graph; short beside "forever".
+DEADLINE_SLACK = 10.0
+DEADLINE_FACTOR = 3.0
+
+
+class Watchdog:
+    """Watches the decodes that wait on RPC workers, from a thread of its own (the main thread is inside
+    ggml then, and a Python signal handler cannot run until ggml returns).
+
+    - Past `deadline(n)` seconds in one decode: one line naming the workers that stopped answering,
+      `on_stop` callbacks (chat saves the reply so far), exit code 2.
+    - Ctrl-C, SIGTERM or SIGHUP during such a decode: the same at once, exit code 128 + the signal. Signals
+      reach the thread through `signal.set_wakeup_fd`, which the C-level handler writes to even while
+      the main thread is blocked; outside a decode they are left to the usual Python handlers."""
+
+    def __init__(self, exit: Callable[[int], None] = os._exit):
+        self._exit = exit
+        self._reader, self._writer = socket.socketpair()
+        for sock in (self._reader, self._writer):
+            sock.setblocking(False)
+        self._lock = threading.Lock()
+        self._call: tuple[float, int, tuple[str, ...]] | None = None  # (started, tokens, endpoints)
+        self.slowest = 0.0  # seconds of the slowest decode seen
+        self.slowest_per_token = 0.0
+        self.on_stop: list[Callable[[str], None]] = []
+        threading.Thread(target=self._watch, name="specchat-rpc-watchdog", daemon=True).start()
+
+    def deadline(self, n_tokens: int) -> float:
+        expected = max(self.slowest if n_tokens <= 1 else 0.0, self.slowest_per_token * n_tokens)
+        return DEADLINE_SLACK + DEADLINE_FACTOR * expected
+
+    @contextmanager
+    def waiting_on(self, endpoints: Sequence[str], n_tokens: int) -> Iterator[None]:
+        if self._call is not None:  # inside another (a checkpoint's own eval): that one is timed
+            yield
+            return
+        try:  # (asyncio, under prompt-toolkit, sets its own wakeup fd while the chat waits for input)
+            previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: signals cannot be seen here
+            previous = None
+        started = time.monotonic()
+        with self._lock:
+            self._call = (started, max(1, n_tokens), tuple(endpoints))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._call = None
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            seconds = time.monotonic() - started
+            self.slowest = max(self.slowest, seconds)
+            self.slowest_per_token = max(self.slowest_per_token, seconds / max(1, n_tokens))
+
+    def _watch(self) -> None:
+        while True:
+            readable, _, _ = select.select([self._reader], [], [], 0.25)
+            signals = self._reader.recv(64) if readable else b""
+            with self._lock:
+                call = self._call
+            if call is None:
+                continue
+            started, n_tokens, endpoints = call
+            waited = time.monotonic() - started
+            if signals:
+                signum = signals[-1]
+                name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+                how = "interrupted" if signum == signal.SIGINT else f"stopped by {name}"
+                self._stop(f"specchat: {how} while waiting {waited:.0f} s for RPC worker "
+                           f"{', '.join(endpoints)}", 128 + signum)
+            elif waited > self.deadline(n_tokens):
+                gone = unreachable(endpoints, timeout=0.5)
+                if gone:
+                    what = f"lost the RPC worker {', '.join(gone)} (nothing listens there any more)"
+                else:
+                    what = (f"RPC worker {', '.join(endpoints)} stopped answering: no reply in {waited:.0f} s "
+                            f"(the slowest step so far took {self.slowest:.1f} s)")
+                self._stop(f"specchat: error: {what}", 2)
+
+    def _stop(self, line: str, code: int) -> None:
+        for callback in list(self.on_stop):
+            try:
+                callback(line)
+            except Exception:  # the process ends either way: saving is best effort
+                pass
+        if abort_hint:
+            line += f"; {abort_hint}"
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        os.write(2, (" ".join(line.split()) + "\n").encode())
+        self._exit(code)
+
+
+_watchdog: Watchdog | None = None
+
+
+def watchdog() -> Watchdog:
+    """The process's one watchdog, started with the first decode on workers."""
+    global _watchdog
+    if _watchdog is None:
+        _watchdog = Watchdog()
+    return _watchdog
 
 
 # -- the worker ------------------------------------------------------------------------------------

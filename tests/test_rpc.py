@@ -1,6 +1,6 @@
 """llama.cpp RPC workers: `specchat rpc-server` on 127.0.0.1 (a random free port) holding the target's
 layers, and every way a worker can fail the client: not there, busy, too little memory, killed mid-reply,
-gone between chat turns.
+silent mid-reply (stopped), gone between chat turns.
 
 Each worker is a `specchat rpc-server` child process. Tests whose worker dies run the client in a child
 process too, or make sure nothing in this process touches the dead worker: ggml's RPC client aborts the
@@ -385,6 +385,171 @@ def test_chat_goes_on_locally_after_the_worker_is_gone(tmp_path):
             assert session.loaded.target.rpc == () and "runs on this machine now" in info.getvalue()
             session.handle("And of Italy?")
             assert len(session.turn_log) == 2
+        finally:
+            loaded.close()
+        records = [r["role"] for r in load_transcript(tmp_path / "t.jsonl").records]
+        assert records == ["user", "assistant", "user", "assistant"]
+    finally:
+        w.stop(signal.SIGKILL)
+
+
+# -- a worker that stops answering: rpc.Watchdog ----------------------------------------------------------
+
+# A child that waits on a "worker" (a socket that listens and never answers) as a decode would: blocked in
+# one call that the main thread's Python signal handlers cannot end (the SIGTERM handler here does nothing,
+# as Python's own waits for the call to return).
+WAITING = """
+import signal, socket, sys, time
+from specchat import rpc
+rpc.DEADLINE_SLACK = float(sys.argv[1])
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+endpoint = "127.0.0.1:%d" % listener.getsockname()[1]
+if sys.argv[2] == "gone":
+    listener.close()
+signal.signal(signal.SIGTERM, lambda *a: None)
+dog = rpc.watchdog()
+dog.on_stop.append(lambda line: print("saved:", line, flush=True))
+with dog.waiting_on([endpoint], 1):
+    print("waiting", flush=True)
+    time.sleep(120)
+print("returned", flush=True)
+"""
+
+
+def waiting_child(slack: float, worker: str = "silent") -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", WAITING, str(slack), worker], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+    assert child.stdout.readline().strip() == "waiting", child.stderr.read()
+    return child
+
+
+@pytest.mark.parametrize("worker, says", [("silent", "stopped answering: no reply in"),
+                                          ("gone", "lost the RPC worker")])
+def test_a_worker_that_does_not_answer_ends_the_command_after_the_deadline(worker, says):
+    started = time.monotonic()
+    child = waiting_child(1.0, worker)
+    out, err = child.communicate(timeout=30)
+    assert time.monotonic() - started < 15
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert child.returncode == 2 and len(lines) == 1, err
+    assert lines[0].startswith("specchat: error: ") and says in lines[0] and "127.0.0.1:" in lines[0]
+    assert out.startswith("saved:") and "returned" not in out  # the chat's callback ran first
+
+
+def test_sigterm_while_a_worker_does_not_answer_acts_at_once():
+    child = waiting_child(600.0)
+    time.sleep(0.5)
+    child.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    out, err = child.communicate(timeout=30)
+    assert time.monotonic() - sent < 3
+    assert child.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM while waiting" in err and "returned" not in out
+
+
+def test_the_deadline_grows_with_the_slowest_step():
+    dog = rpc.Watchdog(exit=lambda code: None)
+    assert dog.deadline(1) == rpc.DEADLINE_SLACK
+    with dog.waiting_on(["127.0.0.1:1"], 4):
+        time.sleep(0.2)
+    assert dog.slowest >= 0.2 and dog.slowest_per_token >= 0.05
+    assert dog.deadline(1) >= rpc.DEADLINE_SLACK + rpc.DEADLINE_FACTOR * 0.2
+    assert dog.deadline(400) >= rpc.DEADLINE_SLACK + rpc.DEADLINE_FACTOR * 0.05 * 400
+
+
+@pytest.mark.real
+@needs_rpc
+def test_worker_stopped_mid_reply_ends_the_command_with_one_line(worker):
+    """SIGSTOP after the worker loaded its layers: llama.cpp's call would block for good; the watchdog
+    ends the command a few seconds past the slowest step (exit 2, one line naming the worker)."""
+    client = subprocess.Popen(
+        [sys.executable, "-m", "specchat.cli", "prompt", "Count from one to one thousand in words.", "-m", MODEL,
+         "--rpc", worker.endpoint, "--no-spec", "--temp", "0", "-n", "3000", "--ignore-eos", "-c", "4096"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while worker.cpu() < 1.0:  # the weights arrived and decoding is under way
+            assert client.poll() is None, client.stderr.read()
+            assert time.monotonic() < deadline, "the worker never got busy"
+            time.sleep(0.1)
+        worker.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = client.communicate(timeout=120)
+        assert time.monotonic() - stopped < rpc.DEADLINE_SLACK + 20
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert client.returncode == 2, err
+    assert len(lines) == 1 and "stopped answering" in lines[0] and worker.endpoint in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def head_files(tmp_path_factory):
+    """Tiny generated targets with their heads: a hybrid with an MTP layer; a llama target with an EAGLE-3 head."""
+    import tiny_models
+
+    directory = tmp_path_factory.mktemp("rpc-heads")
+    mtp = tiny_models.write_model(directory / "qwen35-mtp.gguf", "qwen35", context=tiny_models.TARGET_CONTEXT["qwen35"],
+                                  mtp=True)
+    llama = tiny_models.write_model(directory / "llama4.gguf", "llama", context=tiny_models.TARGET_CONTEXT["llama"],
+                                    n_layer=tiny_models.EAGLE3_TARGET_LAYERS)
+    eagle3 = tiny_models.write_eagle3(directory / "eagle3.gguf")
+    return {"mtp": (mtp, "mtp"), "eagle3": (llama, str(eagle3))}
+
+
+@pytest.mark.real
+@needs_rpc
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_rpc_off_moves_a_head_with_the_target_and_keeps_the_load_options(tmp_path, head_files, kind):
+    """/rpc off after the worker died, with a drafting head: the target is loaded here with the options it
+    was loaded with (-fa, its MTP layers), the head is built again on it, and the next turn drafts."""
+    import tiny_models
+
+    from specchat import chat, ui
+    from specchat.drafters import members
+    from specchat.loader import LoadOptions, Selection, load
+    from specchat.runner import RunOptions
+    from specchat.sampling import SamplingParams
+    from specchat.transcript import load_transcript
+
+    target_path, draft = head_files[kind]
+    probe_backend = tiny_models.load(target_path)
+    try:
+        ids = tiny_models.bigram_chain(int(tiny_models.cycle_tokens()[0]), 12)
+        text = b"".join(probe_backend.token_bytes(t) for t in ids).decode("utf-8", "replace")
+    finally:
+        probe_backend.close()
+    w = Worker()
+    try:
+        opts = LoadOptions(n_ctx=512, rpc=(w.endpoint,), flash_attn="off")
+        selection = Selection(str(target_path), draft)
+        loaded = load(load_config(), selection, opts)
+        run = RunOptions(selection, opts, SamplingParams(temperature=0.0), 4, 3, 24)
+        info = io.StringIO()
+        session = chat.ChatSession(
+            loaded, run, console=ui.make_console(file=io.StringIO()), info=ui.make_console(file=info, width=300),
+            out=io.StringIO(), transcript=chat.Transcript(tmp_path / "t.jsonl"), live=False,
+        )
+        try:
+            session.handle(text)
+            assert len(session.turn_log) == 1 and session.last_stats.drafted > 0
+            old_head = members(loaded.drafter)[0]
+            w.stop(signal.SIGKILL)
+            session.handle("/rpc off")
+            assert "runs on this machine now" in info.getvalue(), info.getvalue()
+            target = loaded.target
+            assert target.rpc == () and target.flash_attn == "off" and target.mtp_loaded == (kind == "mtp")
+            head = members(loaded.drafter)[0]
+            assert head is not old_head and head.kind is old_head.kind and head.head.target is target
+            session.handle(text)
+            assert len(session.turn_log) == 2 and session.last_stats.drafted > 0
+            assert target.rollback_recoveries == 0
         finally:
             loaded.close()
         records = [r["role"] for r in load_transcript(tmp_path / "t.jsonl").records]
