@@ -105,7 +105,7 @@ def build(jobs: int, target: str = "llama-speculative-simple", variant: str = "b
             tar.extractall(source, members=[m for m in members if m.name], filter="data")
     subprocess.run(
         ["cmake", "-S", str(source), "-B", str(work / variant), "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
+         "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
          *cmake_args],
         check=True,
     )
