@@ -14,6 +14,7 @@ from real_models import (
     GREEDY, TOLERANCE, count_draft_prefills, prompt_ids_for, quiet_chat_session, run, specchat, teacher_forced_gaps,
 )
 
+from specchat import kinds
 from specchat.backend import LlamaCppBackend
 from specchat.config import load_config
 from specchat.crossvocab import CrossVocabDrafter
@@ -59,7 +60,7 @@ def target(request):
 def test_the_pair_needs_a_cross_vocabulary_drafter(target, draft):
     assert check_compatible(target.vocab, draft.vocab) is not None  # llama.cpp's rule refuses it
     drafter = CrossVocabDrafter(draft, target)
-    assert drafter.kind == "draft-model"
+    assert drafter.kind is kinds.DRAFT_MODEL
     assert 0.5 < drafter.map.shared_fraction < 1.0  # most of SmolLM2's tokens exist in the target too
     # the same text in each vocabulary: " world" is one token in all three
     world = draft.tokenize(" world", add_special=False)
