@@ -34,10 +34,8 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56,
 REQUIRED_SIZE = 8
 CALIBRATION_BUDGET = 4.0
 # Each size is timed twice and the faster timing kept: on a shared machine a timing is only ever slowed
-# down (another process, a page fault), and one slow timing of a big batch decided every long draft. With
-# one timing per big size, gemma-3-270m's per-token cost read 5.3 ms at 48 and 4.2 at 64 one day; timed
-# 4 x 3 times it is 3.0-3.2 and 2.9, and falls steadily with the batch size. Entries timed otherwise
-# (an older specchat's, without this version) are timed again.
+# down (another process, a page fault). Entries timed otherwise (an older version's) are timed again.
+# How it was chosen: docs/benchmarks.md, "Tuning constants".
 CALIBRATION_REPS = 2
 CALIBRATION_VERSION = 2
 
@@ -51,18 +49,11 @@ OBSERVED_QUANTILE = 0.25
 PRIOR_WEIGHT = 8.0
 # A calibration is contradicted (and measured again at the next load) when a size's observed cost is
 # below STALE_RATIO of its calibrated cost over at least STALE_STEPS one-token steps, or STALE_BATCHES
-# batches of one size. A run's step is the calibration's bare decode plus sampling, at a longer context,
-# so it only ever costs more (SmolLM2-135M, 2 quiet cores: one token 6.7 ms calibrated, a chat's steps
-# 8.5 ms): any clear shortfall means the calibration read high, taken while the machine was busy. The
-# margin is small on purpose: poisoned 1.6x, that calibration read 10.7 ms and the steps 9.5 (0.89x;
-# a first try at 0.8 never fired). Re-measuring fixes what observations cannot: a busy calibration's
-# ratio of batch to one-token cost (73 / 15.9 = 4.6 busy, 30 / 10.1 = 3.0 quiet) makes batches look
-# dear, so the policy sends few and would see them cheap only slowly. It is redone at the next load, not
-# between turns: the caches then hold a conversation (a recurrent model's state is copied to measure) and
-# the user is waiting for a reply. A redo keeps the faster reading of each size (the old and the new),
-# so a redo on a busy machine again loses nothing (and a needless one costs its few seconds once); at
-# most MAX_REDOS redos in a row that the observations still contradict, then the observations alone
-# correct the costs (they count for more and more).
+# batches of one size: a run's step only ever costs more than the calibration's bare decode, so a clear
+# shortfall means the calibration read high (taken while the machine was busy), and its batch-to-token
+# ratio would keep drafts short. Redone at the next load, not between turns (the user is waiting); a redo
+# keeps the faster reading of each size; at most MAX_REDOS in a row, then the observations alone decide.
+# How it was chosen: docs/benchmarks.md, "Tuning constants".
 STALE_RATIO = 0.95
 STALE_STEPS = 32
 STALE_BATCHES = 8

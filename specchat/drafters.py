@@ -311,17 +311,20 @@ class HeadDrafter(ModelDrafting):
     goes in with the head's own output row of the step before. Draft entries are cut after proposing: once
     verified, the target's rows replace the head's own.
 
-    `pair_offset` (tests only) pairs x_j with the row of x_{j-1-pair_offset}: a wrong pairing, which the tiny
-    heads punish with a collapse in acceptance."""
+    `row_of` is that pairing; a test that pairs wrongly through it sees the tiny heads' acceptance collapse."""
 
-    def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0, pair_offset: int = 0):
+    def row_of(self, entry: int) -> int:
+        """The target row paired with the head's entry `entry`: entry i holds context token i + shift, paired
+        with the row of the token before it."""
+        return entry + self.shift - 1
+
+    def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0):
         super().__init__()
         self.head = head
         self.kind = kinds.by_name(getattr(head, "kind", None) or kinds.MTP.name)
         self.backend = head  # the KV cache a caller resets, the cost a policy measures
         self.p_min = p_min
         self.draft_min = draft_min
-        self.pair_offset = pair_offset
         self.shift = getattr(head, "shift", 0)
         # what the target hands over per token (an EAGLE-3 head's encoder turns it into the rows it pairs)
         self.hidden = HiddenRows(getattr(head, "n_embd_in", head.n_embd))
@@ -350,8 +353,7 @@ class HeadDrafter(ModelDrafting):
         if common >= n:
             return None
         seq = list(context[self.shift + common : end])
-        # entry i holds context token i + shift, paired with the row of the token before it
-        first = common + self.shift - 1 - self.pair_offset
+        first = self.row_of(common)
         states = self.hidden.states(range(first, first + len(seq)))
         if self._encode is not None:
             states = self._encode(states)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
-from .lookup import NgramHistory
+from .lookup import NgramHistory, PromptLookup
 from .paths import data_dir
 
 MAX_CHARS = 400_000  # the newest replies up to this much text (~100k tokens; under 100 ms to tokenise)
@@ -92,3 +92,11 @@ def save_replies(texts: Iterable[str], *, target: str, kind: str = "report") -> 
     except OSError:
         return None
     return path
+
+
+def build_lookup(build) -> PromptLookup:
+    """The kinds table's factory for prompt lookup (loader.Build): lookup over the conversation and, unless
+    turned off, this user's earlier replies."""
+    opts = build.opts
+    history = reply_history(build.target) if opts.lookup_history else None
+    return PromptLookup(opts.lookup_min, opts.lookup_max, draft_min=opts.draft_min, history=history)

@@ -61,7 +61,7 @@ def register(kind: DrafterKind) -> DrafterKind:
 
 
 PROMPT_LOOKUP = register(DrafterKind(
-    "prompt-lookup", "lookup", "specchat.lookup:build", cost="free",
+    "prompt-lookup", "lookup", "specchat.history:build_lookup", cost="free",
     # llama.cpp's n-gram drafters are all answered by specchat's one lookup (indexed, with its own policy)
     spec_types=("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"),
     word="prompt-lookup", colour="green", sources={"history": "lookup: earlier replies"},

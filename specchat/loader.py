@@ -18,8 +18,9 @@ from .gguf_header import gguf_arch
 from .kinds import DrafterKind
 from .memory import MAX_SNAPSHOTS
 from .paths import cache_dir
-from .policy import AcceptanceStore, AdaptivePolicy, FixedPolicy, Policy
+from .policy import DRAFT_MAX, AcceptanceStore, AdaptivePolicy, FixedPolicy, Policy
 from .sources import resolve
+from .template import render
 
 
 def default_threads() -> int:
@@ -64,15 +65,11 @@ class Loaded:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` in the target's chat template (or the fallback for base models)."""
-        from .template import render
-
         return render(self.target, messages).token_ids
 
     def policy(self, draft_max: int | None = None, draft_fixed: int | None = None):
         """The draft-length policy the CLI would use (adaptive unless draft_fixed is given; draft_max
         defaults to --draft-max's default)."""
-        from .policy import DRAFT_MAX
-
         return make_policy(self, DRAFT_MAX if draft_max is None else draft_max, draft_fixed)
 
     def memory_line(self) -> str | None:

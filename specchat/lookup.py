@@ -15,60 +15,38 @@ from .backend import common_prefix
 from .drafters import Draft, Offer
 from .sampling import SamplingParams
 
-# Prompt lookup's first token is a coin toss with bimodal odds (a span starts, or a common phrase
-# repeats by chance), so its estimates are rougher: a lookup draft must promise more. Replaying the
-# report's prompts on their target-only replies, sends predicted to gain 4-10% lost time on
-# smollm2-135m (0.97x in the worst category, 1.00x at 1.1), and gemma-3-270m was no slower at 1.1.
+# A lookup draft must promise this much more than plain decoding: its first token's odds are bimodal (a span
+# starts, or a phrase repeats by chance), so its estimates are rougher than a model's.
+# How it was chosen: docs/benchmarks.md, "Tuning constants".
 LOOKUP_MARGIN = 1.1
 # What a draft from earlier replies (another conversation) may send until it has earned more: each one
-# accepted whole doubles it, a miss brings it back. Their estimates come from other prompts, and a
-# 55-token draft of an unrelated reply once made a run slower than plain decoding.
+# accepted whole doubles it, a miss brings it back. (docs/benchmarks.md, "Tuning constants")
 HISTORY_FIRST = 4
-# What a short fresh match in this conversation (the first lookup token after a miss, shorter than
-# FRESH_TRUSTED, its continuation not yet seen to repeat) may send: a 3-token match is a coin toss, and a
-# wrong 24-token draft costs seven steps of plain decoding on two CPU cores. A fresh draft taken whole
-# puts the next one inside the copied span, where the estimates decide alone. A 12-token match is what
-# llama.cpp's ngram-simple drafts 48 tokens on.
+# What a short fresh match in this conversation (shorter than FRESH_TRUSTED, its continuation not yet seen
+# to repeat) may send: a short match is a coin toss, and a long wrong draft costs several plain steps.
+# How it was chosen: docs/benchmarks.md, "Tuning constants".
 FRESH_FIRST = 7
 FRESH_TRUSTED = 12
-# Until this reply has copied (a lookup token came true that continued a match of at least this many
-# tokens), a match shorter than this drafts nothing from the conversation: its proposal is still checked
-# against what the target emits, for free, and a hit grows the match past the bar. A reply that copies
-# nothing has only chance matches, and a short one ends before its own misses outweigh the priors: where a
-# batch of 2-4 costs little more than one token (2 AVX-512 cores), maths-4's 8-token reply sent 9 draft
-# tokens of 1-3-token matches, 1 accepted: 0.89x of target-only (with the bar: 5, 0.98-0.99x in two full
-# runs). A reply that copies loses a step.
-# Replayed at that machine's costs (benchmarks/lookup_replay.py), against llama.cpp's n-gram drafters: the
-# 40 evaluation prompts 1.32x either way, worst 0.94x -> 1.01x (maths-4; of target-only 0.96x -> 1.04x);
-# the 16 learning prompts 1.27x either way (learned 1.28x -> 1.27x). A bar of 3 or more cost 1-4% overall
-# and put one prompt at 0.92x with learned state.
+# Until this reply has copied (a lookup token came true continuing a match of at least this many tokens),
+# a shorter match drafts nothing; its proposal is still checked, for free, against what the target emits.
+# How it was chosen: docs/benchmarks.md, "Tuning constants".
 UNCOPIED_MIN = 2
-# Inside a copied span whose match is at least SPAN_LONG tokens, a draft the estimates chose to send may
-# run to SPAN_FACTOR times the match length, at the batch size that costs least per token (SuffixDecoding,
-# Oliaro et al. 2024, sizes drafts by the match length the same way). A long copy tends to go on, and its
-# per-position estimates, multiplied over 40 positions, undersell that: a 13-token match drafted 23, then
-# 39, then 47 where the copy ran 150 tokens. Replayed on target-only replies at one calibration's costs
-# (benchmarks/lookup_replay.py), against llama.cpp's n-gram drafters: 1.02x -> 1.05x on the 16 learning
-# prompts, 1.09x -> 1.13x on the 40 evaluation ones.
+# Inside a copied span whose match is at least SPAN_LONG tokens, a draft the estimates chose may run to
+# SPAN_FACTOR times the match length, at the cheapest batch size per token (SuffixDecoding sizes drafts
+# by the match length the same way): a long copy tends to go on, which per-position estimates undersell.
+# How it was chosen: docs/benchmarks.md, "Tuning constants".
 SPAN_LONG = 8
 SPAN_FACTOR = 4
-# ... and to at most this many tokens (llama.cpp's ngram-simple drafts 48): past it a batch costs hardly less
-# per token (gemma-3-270m: 2.8 ms at 48, 2.7 at 64) while a copy that ends early wastes more. Replayed
-# with 63, the geometric means were the same and the worst prompt slower (0.95x against 0.96x of llama.cpp
-# on the 40 evaluation prompts, 0.98x against 1.00x on the 16 learning ones).
+# ... and to at most this many tokens (llama.cpp's ngram-simple drafts 48): past it a batch costs hardly
+# less per token, while a copy that ends early wastes more. (docs/benchmarks.md, "Tuning constants")
 SPAN_MAX = 47
 
 # matched n-gram lengths that share an estimate: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+
 LOOKUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# P(the next copied token is right) per bucket, before any evidence, for each state of LookupAcceptance:
-# inside a copied span or at a fresh match, times whether the earlier occurrences of the n-gram went on
-# with one token (a single one, or all of at least two: agreed) or with several (contested). Measured on
-# target-only replies of gemma-3-270m to the 16 prompts of benchmarks/data/unseen_learning.jsonl (none
-# of them in the evaluation set), then rounded down and smoothed across sparse buckets: in a span with a
-# single earlier occurrence 0.55 at 2 tokens, 0.80 at 4, 0.94 at 8, 0.99 at 16+; agreed 1.00 (1384 of
-# 1384) at 32+; contested 0.31-0.71 from 3 to 8 tokens; a fresh 1-token match 0.42 single, 0.56 agreed,
-# 0.20 contested. Being in a copy is strong evidence, and these decide how early in a copy drafting
-# starts; a conversation's own counts replace them within a few tokens (DECAY).
+# P(the next copied token is right) per bucket, before any evidence, for each state of LookupAcceptance
+# (inside a copied span or at a fresh match, times the agreement of the n-gram's earlier occurrences):
+# measured on development prompts' target-only replies, rounded down and smoothed (docs/benchmarks.md,
+# "Tuning constants"); a conversation's own counts replace them within a few tokens (DECAY).
 LOOKUP_PRIOR = np.array([
     [0.30, 0.55, 0.70, 0.75, 0.85, 0.90, 0.94, 0.96, 0.97, 0.98],  # in span, single
     [0.30, 0.65, 0.75, 0.80, 0.85, 0.92, 0.95, 0.97, 0.98, 0.99],  # in span, agreed
@@ -77,11 +55,6 @@ LOOKUP_PRIOR = np.array([
     [0.45, 0.55, 0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90, 0.93],  # fresh, agreed (a loop, a repeated phrase)
     [0.15, 0.20, 0.30, 0.35, 0.40, 0.50, 0.60, 0.70, 0.75, 0.80],  # fresh, contested
 ])
-
-
-def match_bucket(length: int) -> int:
-    """The bucket of a matched n-gram length (its smallest member): 1, 2, 3, 4, 6, 8, 12, 16, 24 or 32."""
-    return LOOKUP_BUCKETS[_bucket(length)]
 
 
 # bucket index of every length up to the last bucket's (longer lengths share the last), as a list: the
@@ -189,22 +162,11 @@ def agreement(evidence: Evidence) -> int:
 
 SEPARATOR = -1  # between the replies of an n-gram history: matches no token, ends every continuation
 ORDER = 4  # n-grams up to this length are indexed; longer matches extend a 4-gram's, token by token
-# Where the context has a match, an earlier reply's replaces it only when it is longer by more than this: a
-# slightly longer match in another conversation's text took the place of the context's own continuation
-# (the one the reply was copying) and cost 2-13% of the speed on 4 of 16 replayed prompts; with 4,
-# state learned from other prompts was never slower than an empty cache in total (lookup_replay.py).
+# Where the context has a match, an earlier reply's replaces it only when it is longer by more than this:
+# the context's own continuation is the one the reply is copying. (docs/benchmarks.md, "Tuning constants")
 HISTORY_LEAD = 4
 # ... and only a match of at least this many tokens is followed there at all: a shorter one in another
-# conversation's text is a common phrase, not a copy. Replayed on the 40 evaluation prompts with the 16
-# learning replies as the history (benchmarks/lookup_replay.py), history drafts of shorter matches kept 8
-# of 30 tokens sent (the other way round: 3 of 30), those of 8+ kept 15 of 25 (10 of 16). The bar left the
-# geometric means as they were (1.33x / 1.27x -> 1.33x / 1.28x of llama.cpp's n-gram drafters) and lifted
-# the worst 32-token reply from 0.95x to 0.97x of target-only. In real runs of qa-context-1, a history
-# draft of a match under 4 tokens early in the reply changed its batches, and with them (batched logits
-# differ a little) the reply: it parted from the one an empty cache writes, and ran 0.68-0.81x of
-# llama.cpp's best drafter where the empty cache's ran 0.92x. (Both part from llama.cpp's text at its fourth
-# token, so on the default build that prompt times another text than llama.cpp's; on a build whose batches
-# compute what single tokens do, the texts agree and it runs 1.26x: docs/benchmarks.md, "Texts pinned".)
+# conversation's text is a common phrase, not a copy. (docs/benchmarks.md, "Tuning constants")
 HISTORY_MIN = 8
 CANDIDATES = 16  # the latest occurrences of the tail's n-gram that are compared: a step's cost is bounded
 
@@ -571,15 +533,3 @@ class PromptLookup:
 
     def carried(self) -> dict:
         return {}
-
-
-def build(build) -> PromptLookup:
-    """The kinds table's factory (loader.Build): lookup over the conversation and, unless turned off, this
-    user's earlier replies."""
-    opts = build.opts
-    history = None
-    if opts.lookup_history:
-        from .history import reply_history
-
-        history = reply_history(build.target)
-    return PromptLookup(opts.lookup_min, opts.lookup_max, draft_min=opts.draft_min, history=history)

@@ -120,9 +120,21 @@ class FakeHead:
         pass
 
 
+class MisPaired(HeadDrafter):
+    """A head drafter that pairs the entry of x_j with the row of x_{j-1-offset}: a wrong pairing for
+    offset != 0 (the right one for 0)."""
+
+    def __init__(self, head, target, offset: int, **kw):
+        super().__init__(head, target, **kw)
+        self.offset = offset
+
+    def row_of(self, entry: int) -> int:
+        return super().row_of(entry) - self.offset
+
+
 def fake_pair(pair_offset: int = 0):
     target = HiddenTarget()
-    return target, HeadDrafter(FakeHead(), target, pair_offset=pair_offset)
+    return target, MisPaired(FakeHead(), target, pair_offset)
 
 
 def expected_first_two() -> np.ndarray:
@@ -261,7 +273,7 @@ def load_head(kind: str, path, head_path=None, pair_offset: int = 0):
     else:
         target = backend(path)
         head = Eagle3Head(target, head_path)
-    return target, head, HeadDrafter(head, target, pair_offset=pair_offset)
+    return target, head, MisPaired(head, target, pair_offset)
 
 
 def head_run(kind: str, path, k: int, n: int = N, pair_offset: int = 0, head_path=None):

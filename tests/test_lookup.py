@@ -38,13 +38,14 @@ from specchat.lookup import (
     FRESH_FIRST,
     FRESH_TRUSTED,
     HISTORY_FIRST,
+    LOOKUP_BUCKETS,
     LOOKUP_MARGIN,
     SPAN_FACTOR,
     SPAN_LONG,
     SPAN_MAX,
     UNCOPIED_MIN,
     LookupAcceptance,
-    match_bucket,
+    _bucket,
     agreement,
 )
 from specchat.policy import AcceptanceStore, AdaptivePolicy, FixedPolicy, best_length
@@ -217,6 +218,10 @@ def test_no_history_files_means_no_history(tmp_path, monkeypatch):
 
 
 # -- the policy reads match length ------------------------------------------------------------------------
+
+
+def match_bucket(length: int) -> int:
+    return LOOKUP_BUCKETS[_bucket(length)]
 
 
 def test_match_buckets():
