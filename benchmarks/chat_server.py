@@ -1,0 +1,213 @@
+"""`specchat chat` against llama-server in multi-turn chats, equal tokens, side by side.
+
+    python benchmarks/chat_server.py                          # SmolLM2 (the default pair), the eval set
+    python benchmarks/chat_server.py --model gemma-3-270m --set dev
+    python benchmarks/chat_server.py --model qwen2.5-coder-1.5b -n 96
+    python benchmarks/chat_server.py --server-bin PATH        # an already built llama-server
+
+The conversations are benchmarks/data/chat_conversations.json: a `dev` set (tune there) and an `eval` set
+(held out: report it). Each is a task and follow-ups that rewrite, repeat or update the reply, plus a long
+chat of 11 turns.
+
+specchat: `specchat chat -m MODEL` as a user runs it, its default drafter (prompt lookup), the messages piped
+on stdin a line each, greedy, -n tokens a turn with --ignore-eos, in one SPECCHAT_HOME per model that a
+one-turn chat calibrates first (a new user's first chat does the same). tok/s per turn is generation only,
+from the transcript's stats.
+
+llama-server, built from the vendored llama.cpp of the installed llama-cpp-python (vs_llamacpp.build), one
+server per drafter: none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, all running at once (one
+slot each, prompt cache on: turn 2 reuses turn 1), /v1/chat/completions with the model's own template,
+temperature 0, the same -n with ignore_eos. tok/s per turn is its `timings.predicted_per_second`.
+
+Each conversation runs in every setting before the next one starts, so a busy moment hits all alike. The
+reference per turn is the fastest server on that turn. Geometric means are split into first turns and
+later turns (those that copy from earlier replies). Texts can part between specchat and the server where
+two greedy candidates tie within batched-logit noise; each side continues its own conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+
+from vs_llamacpp import build  # noqa: E402
+
+CONVERSATIONS = Path(__file__).resolve().parent / "data" / "chat_conversations.json"
+SERVER_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
+
+
+def model_file(name: str) -> Path:
+    from specchat.config import load_config
+    from specchat.sources import resolve
+
+    return resolve(load_config().model(name), download=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- specchat ---------------------------------------------------------------------------------------
+
+
+def run_specchat(home: Path, model: str, turns: list[str], n: int, threads: int, ctx: int) -> list[dict]:
+    """One `specchat chat` process over the turns; per turn: tok/s, drafted, accepted, the reply."""
+    transcripts = home / "share" / "transcripts"
+    before = set(transcripts.glob("*.jsonl")) if transcripts.exists() else set()
+    args = [sys.executable, "-m", "specchat.cli", "chat", "-m", model, "--temp", "0", "-n", str(n), "--ignore-eos",
+            "-t", str(threads), "-c", str(ctx), "--no-color"]
+    env = {**os.environ, "SPECCHAT_HOME": str(home), "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+    out = subprocess.run(args, input="\n".join(turns) + "\n", capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"specchat chat failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    (path,) = set(transcripts.glob("*.jsonl")) - before
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    replies = [r for r in records if r.get("role") == "assistant"]
+    if len(replies) != len(turns):
+        raise RuntimeError(f"specchat answered {len(replies)} of {len(turns)} turns:\n{out.stderr[-2000:]}")
+    return [{"tps": r["stats"]["tokens_per_second"], "n": r["stats"]["generated_tokens"],
+             "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"], "text": r["content"]}
+            for r in replies]
+
+
+# -- llama-server -----------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, binary: Path, model: Path, spec_type: str, threads: int, ctx: int):
+        self.spec_type = spec_type
+        self.port = free_port()
+        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
+                "-t", str(threads), "-tb", str(threads), "-ngl", "0", "-np", "1"]
+        if spec_type != "none":
+            args += ["--spec-type", spec_type]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                raise RuntimeError(f"llama-server --spec-type {spec_type} did not start:\n"
+                                   f"{self.log.read().decode(errors='replace')[-3000:]}")
+            time.sleep(0.3)
+
+    def chat(self, messages: list[dict], n: int) -> dict:
+        body = json.dumps({"messages": messages, "max_tokens": n, "temperature": 0.0, "top_k": 1, "seed": 1,
+                           "ignore_eos": True, "cache_prompt": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=1800) as r:
+            doc = json.loads(r.read())
+        t = doc["timings"]
+        return {"tps": t["predicted_per_second"], "n": t["predicted_n"], "drafted": t.get("draft_n", 0),
+                "accepted": t.get("draft_n_accepted", 0), "text": doc["choices"][0]["message"]["content"]}
+
+    def conversation(self, turns: list[str], n: int) -> list[dict]:
+        messages: list[dict] = []
+        out = []
+        for user in turns:
+            messages.append({"role": "user", "content": user})
+            reply = self.chat(messages, n)
+            messages.append({"role": "assistant", "content": reply["text"]})
+            out.append(reply)
+        return out
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a model name from models.toml (default: smollm2-135m)")
+    ap.add_argument("--set", choices=("eval", "dev", "all"), default="eval", help="which conversations (default: eval)")
+    ap.add_argument("-n", type=int, default=128, help="tokens a turn (default 128)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--server-bin", type=Path, default=None, help="llama-server (default: build it once)")
+    a = ap.parse_args()
+    for name in ("n", "threads", "ctx"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    data = json.loads(CONVERSATIONS.read_text())
+    conversations = data["dev"] + data["eval"] if a.set == "all" else data[a.set]
+    try:
+        path = model_file(a.model)
+    except Exception as e:
+        ap.error(f"--model {a.model}: {e}")
+    binary = a.server_bin or build(a.threads, "llama-server").parent / "llama-server"
+    if not binary.exists():
+        ap.error(f"--server-bin {binary}: no such file")
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp) / "home"
+        run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx)  # the first chat calibrates
+        servers = [Server(binary, path, t, a.threads, a.ctx) for t in SERVER_TYPES]
+        try:
+            for server in servers:  # warm-up: the first request of a process builds its graphs
+                server.chat([{"role": "user", "content": "Hello"}], 8)
+            rows = []
+            for convo in conversations:
+                ours = run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx)
+                theirs = {s.spec_type: s.conversation(convo["turns"], a.n) for s in servers}
+                for i in range(len(convo["turns"])):
+                    rows.append((convo["name"], i, ours[i], {t: theirs[t][i] for t in SERVER_TYPES}))
+        finally:
+            for server in servers:
+                server.close()
+    print(f"# specchat chat vs llama-server · {a.model} · {a.set} set ({len(conversations)} conversations, "
+          f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads")
+    head = f"{'conversation':<14}{'turn':>5}{'specchat':>10}{'acc':>6}" + "".join(f"{t:>15}" for t in SERVER_TYPES)
+    print(head + f"{'best server':>16}{'ratio':>8}")
+    firsts, laters, worst = [], [], (float("inf"), "")
+    for name, i, ours, theirs in rows:
+        best = max(SERVER_TYPES, key=lambda t: theirs[t]["tps"])
+        ratio = ours["tps"] / theirs[best]["tps"]
+        (firsts if i == 0 else laters).append(ratio)
+        worst = min(worst, (ratio, f"{name} turn {i + 1}"))
+        acc = f"{ours['accepted'] / ours['drafted']:.0%}" if ours["drafted"] else "-"
+        cells = "".join(f"{theirs[t]['tps']:>15.1f}" for t in SERVER_TYPES)
+        short = " (n " + ", ".join(f"{t} {theirs[t]['n']}" for t in SERVER_TYPES if theirs[t]["n"] != a.n) + ")" \
+            if any(theirs[t]["n"] != a.n for t in SERVER_TYPES) or ours["n"] != a.n else ""
+        print(f"{name:<14}{i + 1:>5}{ours['tps']:>10.1f}{acc:>6}{cells}{best:>16}{ratio:>7.2f}x{short}")
+    plain = [ours["tps"] / theirs["none"]["tps"] for _, _, ours, theirs in rows]
+    print(f"specchat / best llama-server, geomean: first turns {geomean(firsts):.2f}x (worst "
+          f"{min(firsts):.2f}x), later turns {geomean(laters):.2f}x (worst {min(laters, default=float('nan')):.2f}x); "
+          f"worst turn {worst[0]:.2f}x ({worst[1]})")
+    print(f"specchat / plain llama-server (no drafting), geomean over all turns: {geomean(plain):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
