@@ -422,6 +422,18 @@ class LlamaCppBackend:
         self._capture_layers = ()
         self.hidden_sink = sink
 
+    def stop_capture(self) -> None:
+        """Stop handing rows to a sink (capture_hidden, capture_layers) and stop llama.cpp extracting them."""
+        if self.hidden_sink is None:
+            return
+        if self._capture_layers:
+            for lid in self._capture_layers:
+                self._nextn.set_embeddings_layer_inp(self.llm.ctx, lid, False)
+        else:
+            self._nextn.set_embeddings_nextn(self.llm.ctx, False, False)
+        self._capture_layers = ()
+        self.hidden_sink = None
+
     def capture_layers(self, layers: Sequence[int], sink) -> None:
         """Hand every decode's inputs of `layers` (one row per token, the layers side by side) to
         `sink(p0, rows)`: what an EAGLE-3 head reads."""

@@ -221,7 +221,7 @@ class AdaptivePolicy:
         self._proposals: dict[int, Draft] = {}
         self._chosen: Member | None = None
         for member in self.members:
-            member.possible = self._could_pay(member)
+            self._judge(member)
             carried = member.drafter.carried()
             if member.store is not None and carried:  # start from the estimates an earlier process saved
                 saved = member.store.load()
@@ -229,6 +229,14 @@ class AdaptivePolicy:
                     if name in saved:
                         estimate.absorb(saved[name], AcceptanceStore.TRUST)
         self.drafting_possible = any(m.possible for m in self.members)
+
+    def _judge(self, member: Member) -> None:
+        """Whether the member could pay here at all; one that cannot is never asked, so it is suspended
+        (a head's rows are not extracted), and resumed if it can again."""
+        member.possible = self._could_pay(member)
+        suspend = getattr(member.drafter, "suspend", None)
+        if suspend is not None:
+            suspend(not member.possible)
 
     def _could_pay(self, member: Member) -> bool:
         """Whether a draft of this member could beat plain decoding even if it were always right."""
@@ -312,7 +320,7 @@ class AdaptivePolicy:
             member.idle = 0 if mine else member.idle + 1
             if mine and self.learn_costs and member.draft_cost is not None:
                 member.draft_cost.update(1, step.draft_seconds / step.drafted)
-                member.possible = self._could_pay(member)
+                self._judge(member)
         self._proposals = {}
 
     # --- memory across runs

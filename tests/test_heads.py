@@ -74,6 +74,9 @@ class HiddenTarget(FakeBackend):
     def capture_hidden(self, sink) -> None:
         self.sink = sink
 
+    def stop_capture(self) -> None:
+        self.sink = None
+
     def eval(self, tokens, logits_at, *, in_place=False):
         start = len(self.tokens)
         rows = super().eval(tokens, logits_at, in_place=in_place)
@@ -438,6 +441,38 @@ def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_pat
         assert sent.drafter is drafter and sent.tokens
         policy.observe(step, [1, 2, 4])
         assert draft_cost.scale > before
+    finally:
+        head.close()
+        target.close()
+
+
+@pytest.mark.tiny
+def test_a_head_the_policy_cannot_use_costs_the_target_nothing(mtp_files):
+    """Where a head cannot pay even if always right (its tokens cost what the target's do), the policy never
+    asks it: the target stops extracting the rows it reads until a policy that can use it resumes it; the
+    text is the target's either way."""
+    from specchat.costs import CostModel
+
+    path, _ = mtp_files
+    target, head, drafter = load_head("mtp", path)
+    try:
+        flat = CostModel([1, 2, 4, 8], [0.010, 0.0101, 0.0102, 0.0104])  # a GPU: verifying 8 ~ 1 token
+        dear = CostModel([1], [0.02])  # a head token costs two target steps: it can never pay
+        policy = AdaptivePolicy(drafter, flat, draft_max=4, draft_costs=[dear], learn_costs=False)
+        assert not policy.drafting_possible and drafter.suspended and target.hidden_sink is None
+        prompt = [int(t) for t in tiny_models.bigram_chain(int(tiny_models.cycle_tokens()[0]), 12)]
+        suspended = [e.id for e in generate(target, drafter, prompt, GREEDY, max_tokens=24, policy=policy)
+                     if isinstance(e, TokenEvent)]
+        assert target.hidden_sink is None and drafter.hidden.known == 0  # no row was handed over
+        cheap = AdaptivePolicy(drafter, flat, draft_max=4, draft_costs=[CostModel([1], [0.001])], learn_costs=False)
+        assert cheap.drafting_possible and not drafter.suspended and target.hidden_sink is not None
+        target.truncate(0)
+        head.truncate(0)
+        resumed = [e.id for e in generate(target, drafter, prompt, GREEDY, max_tokens=24, policy=FixedPolicy(3))
+                   if isinstance(e, TokenEvent)]
+        assert drafter.hidden.known > 0
+        gaps = tiny_models.teacher_forced_gaps(path, prompt, suspended)
+        assert gaps.max() < 0.05 and len(resumed) == len(suspended)
     finally:
         head.close()
         target.close()
