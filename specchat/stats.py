@@ -7,7 +7,7 @@ metric is defined once.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,14 @@ class RunStats:
 
     def snapshot(self) -> RunStats:
         """A copy that later steps leave alone (what each StepEvent carries)."""
-        return replace(self, position_tries=list(self.position_tries), position_hits=list(self.position_hits),
-                       accepted_lengths=Counter(self.accepted_lengths), draft_lengths=Counter(self.draft_lengths),
-                       drafted_by=Counter(self.drafted_by))
+        # (every step makes one: a copy of the fields, not dataclasses.replace's call of __init__, a third of
+        # the engine's own time per step on a 0.4 ms decode)
+        copy = object.__new__(RunStats)
+        copy.__dict__.update(self.__dict__)
+        copy.position_tries, copy.position_hits = self.position_tries[:], self.position_hits[:]
+        copy.accepted_lengths, copy.draft_lengths = self.accepted_lengths.copy(), self.draft_lengths.copy()
+        copy.drafted_by = self.drafted_by.copy()
+        return copy
 
     def merge(self, other: RunStats) -> None:
         for name in ("steps", "drafted", "accepted", "emitted", "decided", "draft_seconds", "verify_seconds",
