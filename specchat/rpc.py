@@ -23,6 +23,7 @@ SIGHUP, a thread of ours says which workers and ends the process, and what chat 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import select
 import signal
@@ -276,6 +277,19 @@ def device_memory(device: RpcDevice) -> tuple[int, int]:
     return free.value, total.value
 
 
+def last_line(line: str, code: int, exit: Callable[[int], None] = os._exit) -> None:
+    """End the process from inside a C call or another thread (nothing can be unwound): the one line on
+    stderr, with how to go on (`abort_hint`), then `code`."""
+    if abort_hint:
+        line += f"; {abort_hint}"
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    os.write(2, (" ".join(line.split()) + "\n").encode())
+    exit(code)
+
+
 _ABORT_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _abort_cb = None
 
@@ -295,14 +309,7 @@ def _install_abort_handler() -> None:
             line = f"specchat: error: lost the RPC worker ({where}): {text}"
         else:
             line = f"specchat: error: llama.cpp aborted: {text}"
-        if abort_hint:
-            line += f"; {abort_hint}"
-        try:
-            sys.stdout.flush()
-        except Exception:
-            pass
-        os.write(2, (" ".join(line.split()) + "\n").encode())
-        os._exit(2)
+        last_line(line, 2)
 
     _abort_cb = _ABORT_TYPE(on_abort)
     libs().base.ggml_set_abort_callback(ctypes.cast(_abort_cb, ctypes.c_void_p))
@@ -397,25 +404,13 @@ class Watchdog:
                 callback(line)
             except Exception:  # the process ends either way: saving is best effort
                 pass
-        if abort_hint:
-            line += f"; {abort_hint}"
-        try:
-            sys.stdout.flush()
-        except Exception:
-            pass
-        os.write(2, (" ".join(line.split()) + "\n").encode())
-        self._exit(code)
+        last_line(line, code, self._exit)
 
 
-_watchdog: Watchdog | None = None
-
-
+@functools.cache
 def watchdog() -> Watchdog:
     """The process's one watchdog, started with the first decode on workers."""
-    global _watchdog
-    if _watchdog is None:
-        _watchdog = Watchdog()
-    return _watchdog
+    return Watchdog()
 
 
 # -- the worker ------------------------------------------------------------------------------------

@@ -322,20 +322,28 @@ def test_worker_with_too_little_memory_is_one_line(worker):
     assert worker.proc.poll() is None  # the worker survives a client it could not serve
 
 
-@pytest.mark.real
-@needs_rpc
-def test_worker_killed_mid_reply_is_one_line_exit_2(worker):
+def busy_client(worker: Worker) -> subprocess.Popen:
+    """A `specchat prompt` on the worker with a long reply ahead, returned once the weights arrived and
+    decoding is under way (the worker is busy)."""
     client = subprocess.Popen(
         [sys.executable, "-m", "specchat.cli", "prompt", "Count from one to one thousand in words.", "-m", MODEL,
          "--rpc", worker.endpoint, "--no-spec", "--temp", "0", "-n", "3000", "--ignore-eos", "-c", "4096"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
     )
+    deadline = time.monotonic() + 90
+    while worker.cpu() < 1.0:
+        if client.poll() is not None or time.monotonic() > deadline:
+            client.kill()
+            raise AssertionError(f"the worker never got busy: {client.communicate()[1]}")
+        time.sleep(0.1)
+    return client
+
+
+@pytest.mark.real
+@needs_rpc
+def test_worker_killed_mid_reply_is_one_line_exit_2(worker):
+    client = busy_client(worker)
     try:
-        deadline = time.monotonic() + 90
-        while worker.cpu() < 1.0:  # the weights arrived and decoding is under way
-            assert client.poll() is None, client.stderr.read()
-            assert time.monotonic() < deadline, "the worker never got busy"
-            time.sleep(0.1)
         worker.proc.kill()
         killed = time.monotonic()
         out, err = client.communicate(timeout=30)
@@ -464,17 +472,8 @@ def test_the_deadline_grows_with_the_slowest_step():
 def test_worker_stopped_mid_reply_ends_the_command_with_one_line(worker):
     """SIGSTOP after the worker loaded its layers: llama.cpp's call would block for good; the watchdog
     ends the command a few seconds past the slowest step (exit 2, one line naming the worker)."""
-    client = subprocess.Popen(
-        [sys.executable, "-m", "specchat.cli", "prompt", "Count from one to one thousand in words.", "-m", MODEL,
-         "--rpc", worker.endpoint, "--no-spec", "--temp", "0", "-n", "3000", "--ignore-eos", "-c", "4096"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
-    )
+    client = busy_client(worker)
     try:
-        deadline = time.monotonic() + 90
-        while worker.cpu() < 1.0:  # the weights arrived and decoding is under way
-            assert client.poll() is None, client.stderr.read()
-            assert time.monotonic() < deadline, "the worker never got busy"
-            time.sleep(0.1)
         worker.proc.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         out, err = client.communicate(timeout=120)
