@@ -385,8 +385,8 @@ class Watchdog:
             waited = time.monotonic() - started
             if signals:
                 signum = signals[-1]
-                name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
-                how = "interrupted" if signum == signal.SIGINT else f"stopped by {name}"
+                # (only signals with a Python handler write the byte: SIGINT, SIGTERM, SIGHUP)
+                how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
                 self._stop(f"specchat: {how} while waiting {waited:.0f} s for RPC worker "
                            f"{', '.join(endpoints)}", 128 + signum)
             elif waited > self.deadline(n_tokens):
