@@ -6,6 +6,7 @@ backends, without loading anything. Not `gguf.py`: that would shadow the `gguf` 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BackendError
@@ -54,9 +55,30 @@ def gguf_nextn_layers(path: Path) -> int:
 
 
 def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
-    """(architecture, the integer `<arch>.*` keys, and an EAGLE-3 head's `target_layers` as a tuple) from a
-    GGUF header, without loading anything; `vocab_size` is the tokenizer's token count where the header
-    has no such key."""
+    """(architecture, the integer and boolean `<arch>.*` keys, and an EAGLE-3 / DFlash head's
+    `target_layers` as a tuple) from a GGUF header, without loading anything; `vocab_size` is the
+    tokenizer's token count where the header has no such key."""
+    layout = gguf_layout(path, tensors=False)
+    return (layout.arch, layout.values) if layout is not None else (None, {})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]  # ggml's order (ne0 first): a [rows, cols] numpy matrix is (cols, rows)
+    ggml_type: int
+    offset: int  # where its data starts in the file
+
+
+@dataclass
+class GGUFLayout:
+    arch: str | None
+    values: dict[str, int]  # as gguf_values
+    tensors: dict[str, TensorInfo]  # by name; empty unless asked for
+
+
+def gguf_layout(path: Path, tensors: bool = True) -> GGUFLayout | None:
+    """The header in one pass: architecture, values (see gguf_values) and, with `tensors`, the tensors by
+    name (their shapes, types and where their data lies); None when unreadable."""
     import struct
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
@@ -86,23 +108,28 @@ def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
                     raise ValueError(kind)
 
             if f.read(4) != GGUF_MAGIC or read("I") < 2:
-                return None, None
-            read("Q")  # tensors
+                return None
+            n_tensors = read("Q")
             values: dict[bytes, int] = {}
             arch = None
             n_vocab = 0
+            alignment = 32
             for _ in range(read("Q")):
                 key, kind = string(), read("I")
                 if key == b"general.architecture" and kind == 8:
                     arch = string()
+                elif key == b"general.alignment" and kind in ints:
+                    alignment = read(ints[kind])
                 elif kind in ints and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
                     values[key] = read(ints[kind])
+                elif kind == 7 and not key.startswith(b"general.") and not key.startswith(b"tokenizer."):
+                    values[key] = bool(read("B"))
                 elif kind == 9 and key == b"tokenizer.ggml.tokens":  # the vocabulary: only its size is kept
                     read("I")  # the element type (strings)
                     n_vocab = read("Q")
                     f.seek(-12, 1)
                     skip(kind)
-                elif kind == 9 and key.endswith(b".target_layers"):  # an EAGLE-3 head's layer ids
+                elif kind == 9 and key.endswith(b".target_layers"):  # a head's layer ids
                     inner, count = read("I"), read("Q")
                     if inner not in ints:
                         f.seek(-12, 1)
@@ -111,11 +138,20 @@ def gguf_values(path: Path) -> tuple[str | None, dict[str, int]]:
                     values[key] = tuple(read(ints[inner]) for _ in range(count))
                 else:
                     skip(kind)
+            found_tensors: dict[str, TensorInfo] = {}
+            if tensors:
+                infos = []
+                for _ in range(n_tensors):
+                    name = string().decode("utf-8", "replace")
+                    shape = tuple(read("Q") for _ in range(read("I")))
+                    infos.append((name, shape, read("I"), read("Q")))
+                start = -(-f.tell() // alignment) * alignment
+                found_tensors = {name: TensorInfo(shape, kind, start + offset) for name, shape, kind, offset in infos}
             name = arch.decode("utf-8", "replace") if arch else None
             prefix = (arch or b"") + b"."
             found = {k[len(prefix):].decode(): v for k, v in values.items() if k.startswith(prefix)}
             if n_vocab and "vocab_size" not in found:
                 found["vocab_size"] = n_vocab
-            return name, found
+            return GGUFLayout(name, found, found_tensors)
     except (OSError, ValueError, struct.error):
-        return None, {}
+        return None

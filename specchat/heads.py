@@ -36,6 +36,27 @@ def _head_context_params(lib, target: LlamaCppBackend, ctx_type: int):
     return params
 
 
+def load_head_model(target: LlamaCppBackend, path: Path, n_gpu_layers: int | None, what: str):
+    """(llama_model pointer, its n_gpu_layers) of a head trained for `target` (EAGLE-3, DFlash), loaded on this
+    machine's devices (never on an RPC worker: the default device list would include them), its vocabulary
+    checked against the target's (one line, BackendError, and nothing left loaded, where it differs)."""
+    lib = target._lib
+    params = lib.llama_model_default_params()
+    params.n_gpu_layers = target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+    here = rpc_workers.devices_here()
+    if here is not None:
+        devices = (ctypes.c_void_p * (len(here) + 1))(*here, None)  # NULL-terminated, lives through the load
+        params.devices = ctypes.cast(devices, ctypes.c_void_p)
+    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise BackendError(f"llama.cpp could not load the {what} {path}")
+    problem = check_compatible(target.vocab, Vocabulary(lib, lib.llama_model_get_vocab(model)).info)
+    if problem:
+        lib.llama_model_free(model)
+        raise BackendError(f"{what} {path.name} has another vocabulary than {target.name}: {problem}")
+    return model, params.n_gpu_layers
+
+
 class HeadBackend:
     """A drafting head: a llama.cpp context whose every entry is a token AND a hidden row. Which row goes
     with which token is the drafter's business (drafters.HeadDrafter); `eval` takes them paired
@@ -230,20 +251,9 @@ class Eagle3Head(HeadBackend):
         arch, values = gguf_values(path)
         if arch != "eagle3":
             raise BackendError(f"{path.name} is a {arch} model, not an EAGLE-3 head")
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
-        here = rpc_workers.devices_here()  # never on a worker (the default list would include them)
-        if here is not None:
-            devices = (ctypes.c_void_p * (len(here) + 1))(*here, None)  # NULL-terminated, lives through the load
-            params.devices = ctypes.cast(devices, ctypes.c_void_p)
-        self._model = lib.llama_model_load_from_file(str(path).encode(), params)
-        if not self._model:
-            raise BackendError(f"llama.cpp could not load the EAGLE-3 head {path}")
+        self._model, self.n_gpu_layers = load_head_model(target, path, n_gpu_layers, "EAGLE-3 head")
         ctx = None
         try:
-            problem = check_compatible(target.vocab, Vocabulary(lib, lib.llama_model_get_vocab(self._model)).info)
-            if problem:
-                raise BackendError(f"EAGLE-3 head {path.name} has another vocabulary than {target.name}: {problem}")
             layers = self._api.target_layers(self._model)
             n_layer = target.n_layer
             target_embd = lib.llama_model_n_embd(target._model)
@@ -264,7 +274,6 @@ class Eagle3Head(HeadBackend):
         self.n_embd_enc = self.n_embd_in = 3 * target_embd
         self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "")
         self.path = path
-        self.n_gpu_layers = params.n_gpu_layers
         self.encode(np.zeros((1, self.n_embd_in), dtype=np.float32))
         self.warm_up()
 
