@@ -3,8 +3,9 @@
 An entry says how a user names the kind (llama.cpp's `--spec-type` names, a `-md` / models.toml word that
 needs no file, or the GGUF architecture of a `-md` file), how to build it (`factory`, "module:function",
 imported only when a drafter of that kind is built), where its cost comes from (`cost`: "free" proposals
-are made every step and priced after; "model" and "head" drafts cost their own model's time, priced
-before), and how the terminal shows its tokens. Adding a way of drafting is one module (the drafter, see
+are made every step and priced after; "model" and "head" drafts cost their own model's time per token,
+"block" drafts one forward of their model over the whole block, all priced before), and how the terminal
+shows its tokens. Adding a way of drafting is one module (the drafter, see
 drafters.Drafter) plus one entry here, or a `register()` call from anywhere (a plugin, a test).
 """
 
@@ -22,7 +23,9 @@ class DrafterKind:
     label: str  # what the terminal calls its drafts
     # the factory: "module:function" (or a callable), called as factory(build) -> Drafter (loader.Build)
     factory: str | Callable[..., Any]
-    cost: str = "model"  # "free" (proposals cost nothing) | "model" | "head" (one or a few layers on the target)
+    # "free" (proposals cost nothing) | "model" | "head" (one or a few layers on the target), both a forward per
+    # token | "block" (one forward for the whole draft, of `drafter.extra_slots` + its tokens)
+    cost: str = "model"
     spec_types: tuple[str, ...] = ()  # llama.cpp's --spec-type names for it
     word: str | None = None  # the -md / models.toml `draft` word that means it without a file ("mtp")
     archs: tuple[str, ...] = ()  # a -md file of one of these GGUF architectures is this kind
@@ -77,6 +80,11 @@ MTP = register(DrafterKind(
 EAGLE3 = register(DrafterKind(
     "eagle3", "EAGLE-3 head", "specchat.drafters:build_eagle3", cost="head", spec_types=("draft-eagle3",),
     archs=("eagle3",), needs_file=True, reads_target=True, colour="blue",
+))
+DFLASH = register(DrafterKind(
+    # DFlash and DSpark drafts are one architecture (dflash); the file says which (a Markov head: DSpark)
+    "dflash", "DFlash", "specchat.dflash:build_dflash", cost="block", spec_types=("draft-dflash", "draft-dspark"),
+    archs=("dflash",), needs_file=True, reads_target=True, colour="blue", sources={"dspark": "DSpark"},
 ))
 
 

@@ -285,7 +285,7 @@ def _reference_draft_cost(drafter: Drafter, target: Backend, verify: CostModel) 
     target's weights; a draft model costs its file's size relative to the target's."""
     if drafter.kind.free:
         return None
-    if drafter.kind.cost == "head":
+    if drafter.kind.cost in ("head", "block"):  # (a block: one forward of a head-sized model)
         return CostModel([1], [verify(1) * 0.1], measured=True)
     sizes = _file_size(drafter.backend), _file_size(target)
     ratio = min(1.0, max(0.02, sizes[0] / sizes[1])) if all(sizes) else 0.25

@@ -67,6 +67,10 @@ def _memory(spec) -> str:
         layers = ", ".join(str(x) for x in values.get("target_layers", ())) or "?"
         return escape(f"eagle3 · EAGLE-3 head for a target of width {values.get('target_hidden_size', '?')}, "
                       f"reading its layers {layers} (-md it with that target)")
+    if kinds.for_file(arch) is kinds.DFLASH:
+        from .dflash import describe_file  # (gguf-py reads the heads it has)
+
+        return escape(f"{arch} · {describe_file(path)}")
     text = f"{arch} · {MEMORY_WORDS[arch_memory(arch)]}"
     nextn = gguf_nextn_layers(path)
     if nextn:  # the model drafts for itself: -md mtp

@@ -92,12 +92,13 @@ class FixedPolicy:
 
 
 def best_length(
-    a: Sequence[float], verify_cost: CostModel, draft_cost_per_token: float = 0.0, overhead: float = 0.0,
-    margin: float = DRAFT_MARGIN, rollback: float = 0.0,
+    a: Sequence[float], verify_cost: CostModel, draft_seconds: Sequence[float] | None = None,
+    overhead: float = 0.0, margin: float = DRAFT_MARGIN, rollback: float = 0.0,
 ) -> tuple[int, float]:
-    """argmax over n of expected tokens(n) / (verify(n+1) + n * draft cost + per-step overhead), over the
+    """argmax over n of expected tokens(n) / (verify(n+1) + draft_seconds[n] + per-step overhead), over the
     n whose batch n + 1 the cost model may send: (n, tokens per second). Within 1% of the best, the
-    shortest draft wins: the same speed for less work.
+    shortest draft wins: the same speed for less work. `draft_seconds[n]`: what drafting n tokens costs
+    (at least len(a) + 1 entries; None: nothing, a free drafter's).
 
     It runs every step between two decodes, when the CPU caches hold model weights and each numpy call
     costs several microseconds whatever its size: for the at most 64 positions a Python loop is cheaper
@@ -116,7 +117,8 @@ def best_length(
             run *= a[n - 1]
             accepted += run
         if sendable[n + 1]:
-            rates[n] = (1.0 + accepted) / (table[n + 1] + n * draft_cost_per_token + overhead + (rollback if n else 0.0))
+            drafting = draft_seconds[n] if draft_seconds is not None else 0.0
+            rates[n] = (1.0 + accepted) / (table[n + 1] + drafting + overhead + (rollback if n else 0.0))
     if max(rates[1:], default=0.0) < rates[0] * margin:
         return 0, rates[0]  # a predicted gain this small is inside the estimates' error
     threshold = max(rates) / 1.01
@@ -184,6 +186,29 @@ class Member:
     def label(self) -> str:
         return self.drafter.kind.label
 
+    @property
+    def block(self) -> bool:
+        return self.drafter.kind.cost == "block"
+
+    def draft_seconds(self, n_max: int) -> list[float] | None:
+        """What drafting 0..n_max tokens costs: n of the drafter's forwards, or for a block drafter one
+        forward of the block (its extra slots + n); None for a free drafter."""
+        if self.draft_cost is None:
+            return None
+        if self.block:
+            extra = self.drafter.extra_slots
+            table = self.draft_cost.seconds_list(n_max + extra)
+            return [0.0] + table[1 + extra : n_max + 1 + extra]
+        one = self.draft_cost(1)
+        return [n * one for n in range(n_max + 1)]
+
+    def learn_cost(self, drafted: int, seconds: float) -> None:
+        """A draft of `drafted` tokens took `seconds` of the drafter's time."""
+        if self.block:
+            self.draft_cost.update(drafted + self.drafter.extra_slots, seconds)
+        else:
+            self.draft_cost.update(1, seconds / drafted)
+
 
 class AdaptivePolicy:
     """The default: each step, the draft (drafter and length) with the best expected tokens per second, or
@@ -242,15 +267,16 @@ class AdaptivePolicy:
         """Whether a draft of this member could beat plain decoding even if it were always right."""
         if member.draft_cost is None:
             return True
-        return best_length(np.ones(max(1, self.draft_max)), self.verify_cost, member.draft_cost(1))[0] > 0
+        n_max = max(1, self.draft_max)
+        return best_length(np.ones(n_max), self.verify_cost, member.draft_seconds(n_max))[0] > 0
 
     # --- each step
 
     def _price(self, member: Member, offer) -> tuple[int, float]:
         """(tokens to send, expected tokens per second) of the member's offer."""
-        per_token = member.draft_cost(1) if member.draft_cost is not None else 0.0
         margin = DRAFT_MARGIN if offer.margin is None else offer.margin
-        n, rate = best_length(offer.rates, self.verify_cost, per_token, self.overhead, margin, self.rollback)
+        n, rate = best_length(offer.rates, self.verify_cost, member.draft_seconds(len(offer.rates)), self.overhead,
+                              margin, self.rollback)
         if n and offer.stretch > n:
             batch = self.verify_cost.cheapest_batch(n + 1, offer.stretch + 1)
             if batch is not None and self.verify_cost(batch) / batch < self.verify_cost(n + 1) / (n + 1):
@@ -262,8 +288,8 @@ class AdaptivePolicy:
         if member.idle < PROBE_AFTER:
             return False
         n = min(PROBE_TOKENS, limit)
-        per_token = member.draft_cost(1) if member.draft_cost is not None else 0.0
-        waste = self.verify_cost(n + 1) - self.verify_cost(1) + n * per_token + self.rollback
+        drafting = member.draft_seconds(n)
+        waste = self.verify_cost(n + 1) - self.verify_cost(1) + (drafting[n] if drafting else 0.0) + self.rollback
         return waste <= PROBE_SHARE * member.idle * self.verify_cost(1)
 
     def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
@@ -319,7 +345,7 @@ class AdaptivePolicy:
                 continue
             member.idle = 0 if mine else member.idle + 1
             if mine and self.learn_costs and member.draft_cost is not None:
-                member.draft_cost.update(1, step.draft_seconds / step.drafted)
+                member.learn_cost(step.drafted, step.draft_seconds)
                 self._judge(member)
         self._proposals = {}
 
@@ -356,7 +382,8 @@ class AdaptivePolicy:
                 return f"{member.label} found nothing to propose"
             return f"{member.label}'s proposals were too short to pay for {verify4}"
         if not member.possible:
-            per_token = member.draft_cost(1) / self.verify_cost(1) if member.draft_cost is not None else 0.0
+            drafting = member.draft_seconds(1)
+            per_token = drafting[1] / self.verify_cost(1) if drafting else 0.0
             return (f"a {member.label} token costs {per_token:.2f} steps and a 2-token verify "
                     f"{self._steps_cost(2):.1f} steps here, so no draft can pay")
         a = float(member.drafter.offer(None, 1).rates[0])

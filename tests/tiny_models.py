@@ -226,8 +226,21 @@ def _embeddings(seed: int, n_embd: int) -> np.ndarray:
     return e
 
 
-def _head(seed: int, n_embd: int, cycle: int, n_tokens: int) -> np.ndarray:
-    e = _embeddings(seed, n_embd)
+def _token_rows(seed: int, n_embd: int, embd_dims: int | None = None, beacon: float = 0.0) -> np.ndarray:
+    """The token embeddings E: random in the first embd_dims (default all) coordinates, the last = beacon if set."""
+    if embd_dims is None and not beacon:
+        return np.asarray(_embeddings(seed, n_embd))
+    e = np.zeros((N_VOCAB, n_embd), dtype=np.float32)
+    dims = embd_dims or n_embd
+    e[:, :dims] = _embeddings(seed, dims)
+    if beacon:
+        e[:, -1] = beacon
+    return e
+
+
+def _head(seed: int, n_embd: int, cycle: int, n_tokens: int, embd_dims: int | None = None,
+          beacon: float = 0.0) -> np.ndarray:
+    e = _token_rows(seed, n_embd, embd_dims, beacon)
     succ = successor_map(seed, cycle, n_tokens)
     src = np.flatnonzero(succ >= 0)
     out = np.zeros_like(e)
@@ -488,6 +501,8 @@ def write_model(
     dtype: str = "q8_0",
     mtp: bool = False,
     mtp_mix: float = MTP_MIX,
+    beacon: float = 0.0,
+    embd_dims: int | None = None,
 ) -> Path:
     """Write a tiny `arch` GGUF model to `path` and return the path.
 
@@ -499,6 +514,10 @@ def write_model(
     dtype: of token_embd and output, the two vocabulary-sized matrices ("q8_0", "f16" or "f32"); the rest is f32.
     mtp: (qwen35 only) append one NextN/MTP block (`nextn_predict_layers` = 1), see _mtp_tensors.
     mtp_mix: the weight of the hidden-state path in the MTP block (see _mtp_tensors).
+    beacon: if not 0, the last coordinate of every token embedding (and so of every head row) is this
+        constant: a layer input then carries a token-independent component (a DFlash head's keys, write_dflash).
+    embd_dims: the token embeddings (and head rows) are random in their first `embd_dims` coordinates only,
+        zero in the rest (but the beacon): room a DFlash draft of the same width keeps for itself.
     """
     import gguf
 
@@ -519,13 +538,13 @@ def write_model(
         kv["block_count"] = n_layer + 1  # the trunk, then the NextN block (hparams.n_layer_all)
         kv["nextn_predict_layers"] = 1
 
-    tensors: dict[str, np.ndarray] = {"token_embd.weight": np.asarray(_embeddings(seed, n_embd))}
+    tensors: dict[str, np.ndarray] = {"token_embd.weight": _token_rows(seed, n_embd, embd_dims, beacon)}
     scale = context * _context_unit(n_embd, n_layer)
     for i in range(n_layer):
         tensors.update(_block_tensors(arch, i, _Weights(seed, i, scale), n_embd, dims))
     # lfm2 stores its final norm as "token_embd_norm" (LLM_TENSOR_OUTPUT_NORM_LFM2)
     tensors["token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"] = _ones(n_embd)
-    tensors["output.weight"] = _head(seed, n_embd, cycle, n_tokens)
+    tensors["output.weight"] = _head(seed, n_embd, cycle, n_tokens, embd_dims, beacon)
     if mtp:
         tensors.update(_mtp_tensors(n_layer, seed, n_embd, dims, cycle, n_tokens, mtp_mix))
 
@@ -560,6 +579,8 @@ def _write_tensors(writer, path: Path, tensors: dict[str, np.ndarray], dtype: st
     for name, data in tensors.items():
         if name in quantized and dtype != "f32":
             writer.add_tensor(name, gguf.quants.quantize(data, big), raw_dtype=big)
+        elif data.dtype == np.int64:  # an index table (a DFlash head's d2t)
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.I64)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -652,7 +673,150 @@ def write_eagle3(
         return value
 
     _write_tokenizer(writer, swap_two_tokens)
-    return _write_tensors(writer, path, tensors, dtype, ("output.weight",))
+    return _write_tensors(writer, path, tensors, dtype, ("output.weight", "markov_w2.weight"))
+
+
+DFLASH_BEACON = 4.0  # the target's constant embedding coordinate (write_model beacon=) a DFlash head queries with
+DFLASH_BLOCK = 8  # dflash.block_size of the tiny DFlash / DSpark drafts
+DFLASH_MASK = 4  # the mask token: a special token of the SmolLM2 vocabulary that plain text never holds
+# its greedy text leaves the cycle at 2-3% of positions (seed 0, 100-200 tokens; 0.4: never, 0.6: 15%, 1.0: 78%):
+# the wider model's blocks perturb the 64 coordinates its head reads more than TARGET_CONTEXT's unit assumes.
+# llama-speculative-simple --spec-type draft-dflash then accepts ~80% of the tiny draft's tokens.
+DFLASH_TARGET_CONTEXT = 0.5
+DFLASH_DIMS = 64  # the random coordinates of the DFlash target's token embeddings (write_model embd_dims=)
+
+
+def dflash_target_width(block_size: int = DFLASH_BLOCK) -> int:
+    """The n_embd of a target (and its DFlash draft: llama.cpp reads target features as wide as the draft):
+    the embeddings' coordinates, one for the injected keys (32 wide), a 32-wide subspace per block slot, and
+    the beacon's (32 wide)."""
+    return DFLASH_DIMS + 32 + 32 * block_size + 32
+
+
+def write_dflash_target(path: str | os.PathLike, arch: str = "llama", *, context: float | None = None,
+                        block_size: int = DFLASH_BLOCK, **kw) -> Path:
+    """A target for write_dflash's drafts: write_model with the width, beacon and embedding coordinates it needs."""
+    ctx = DFLASH_TARGET_CONTEXT if context is None else context
+    return write_model(path, arch, context=ctx, n_embd=dflash_target_width(block_size), embd_dims=DFLASH_DIMS,
+                       beacon=DFLASH_BEACON, **kw)
+
+
+def write_dflash(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    layers: tuple[int, ...] = (0,),
+    block_size: int = DFLASH_BLOCK,
+    cycle: int = 32,
+    n_tokens: int = 2048,
+    markov: float = 0.0,
+    confidence: float | None = None,
+    dtype: str = "q8_0",
+) -> Path:
+    """A DFlash block drafter (llama.cpp's `dflash` arch, src/models/dflash.cpp) for a target written by
+    write_dflash_target(..., seed=seed, block_size=block_size): `<arch>.target_layers` = `layers` (it reads
+    the first one's input, ~the token embedding E[x]), the target's token embeddings (through ctx_other, as
+    real DFlash files do), a head of its own over the cycle tokens (through `d2t`). With `markov` > 0 it is a
+    DSpark draft: a Markov head (rank 32) that adds `markov` to the logit of succ[prev] (prev: the anchor, then
+    each slot's argmax), anchor-first blocks (`sample_from_anchor`), and with `confidence` a confidence head
+    that says sigmoid(confidence) everywhere.
+
+    How it predicts: the block is [anchor at P, mask, ...]; the target features of positions < P are in its
+    cache. Head h (one per block slot; one shared KV head, 32 wide) attends to the entry h + 1 positions before
+    its query: the query is the beacon, rotated so that RoPE (frequencies 1 .. 0.52 rad) peaks at that
+    offset; the keys, the injected beacon moved by `fc` to coordinates the embeddings leave empty (block
+    entries have none); the value, the first 32 coordinates of E[x] there. A per-head attention sink takes the
+    weight when no key peaks (a block slot). The output projection puts head h in a subspace of its own, and
+    the head votes, per subspace h, for the token `h + shift` steps after the one it read (shift 1 for
+    DFlash, whose slot i predicts the token at P + i; 2 for anchor-first DSpark, slot i -> P + i + 1): slot i,
+    reading x_{P-1} through head i (and earlier tokens through the heads after it, all voting alike on a
+    cycle), predicts succ^(i + shift)(x_{P-1}). Features paired with the wrong position (one off) move every
+    vote a token: acceptance collapses."""
+    import gguf
+
+    path = Path(path)
+    hd, n_head = 32, block_size
+    n_embd = dflash_target_width(block_size)
+    key, sub0, beacon = DFLASH_DIMS, DFLASH_DIMS + 32, n_embd - 1
+    shift = 2 if markov else 1
+    n_ff = 32
+    succ = successor_map(seed, cycle, n_tokens)
+    cyc = np.flatnonzero(succ >= 0)
+    e = _embeddings(seed, DFLASH_DIMS)
+
+    fc = np.zeros((n_embd, len(layers) * n_embd), dtype=np.float32)  # ggml {n_layers * n_embd, n_embd}
+    fc[:DFLASH_DIMS, :DFLASH_DIMS] = np.eye(DFLASH_DIMS)  # the first layer's embedding coordinates, as they are
+    fc[key, beacon] = 1.0  # its beacon, to the key coordinate
+    base = 2.0
+    theta = base ** (-2.0 * np.arange(hd // 2) / hd)
+    wq = np.zeros((n_head * hd, n_embd), dtype=np.float32)
+    wo = np.zeros((n_embd, n_head * hd), dtype=np.float32)
+    for h in range(n_head):
+        wq[h * hd : h * hd + hd // 2, beacon] = np.cos(-theta * (h + 1))  # NeoX pairs (j, j + hd/2)
+        wq[h * hd + hd // 2 : (h + 1) * hd, beacon] = np.sin(-theta * (h + 1))
+        wo[sub0 + h * hd : sub0 + (h + 1) * hd, h * hd : (h + 1) * hd] = np.eye(hd)
+    wk = np.zeros((hd, n_embd), dtype=np.float32)
+    wk[: hd // 2, key] = 1.0
+    wv = np.zeros((hd, n_embd), dtype=np.float32)
+    wv[:, :hd] = np.eye(hd)
+    pred = np.full(N_VOCAB, -1, dtype=np.int64)
+    pred[succ[cyc]] = cyc
+    head = np.zeros((len(cyc), n_embd), dtype=np.float32)
+    for h in range(n_head):  # subspace h votes for t with the value of the token h + shift steps before t
+        back = cyc.copy()
+        for _ in range(h + shift):
+            back = pred[back]
+        # each head outweighs all the heads after it together: after the text left a cycle, the latest
+        # token's vote (head i at slot i) beats the older tokens' (still voting for the old cycle)
+        head[:, sub0 + h * hd : sub0 + (h + 1) * hd] = e[back, :hd] * np.float32(4.0 ** (n_head - 1 - h))
+    w = _Weights(seed, 200, 0.0)
+    tensors = {
+        "fc.weight": fc,
+        "enc.output_norm.weight": _ones(n_embd),
+        "output_norm.weight": _ones(n_embd),
+        "output.weight": head,
+        "d2t": cyc.astype(np.int64),
+        "blk.0.attn_norm.weight": _ones(n_embd),
+        "blk.0.attn_q.weight": wq,
+        "blk.0.attn_k.weight": wk,
+        "blk.0.attn_v.weight": wv,
+        "blk.0.attn_output.weight": wo,
+        # peak score 9 * 32 / sqrt(32) = 51; any other offset <= 0.73 of it (37); the sink in between
+        "blk.0.attn_q_norm.weight": np.full(hd, 3.0, dtype=np.float32),
+        "blk.0.attn_k_norm.weight": np.full(hd, 3.0, dtype=np.float32),
+        "blk.0.attn_sinks.weight": np.full(n_head, 44.0, dtype=np.float32),
+        "blk.0.ffn_norm.weight": _ones(n_embd),
+        "blk.0.ffn_gate.weight": w.mat(n_ff, n_embd),
+        "blk.0.ffn_up.weight": w.mat(n_ff, n_embd),
+        "blk.0.ffn_down.weight": w.out(n_embd, n_ff),  # context 0: exactly zero
+    }
+    if markov:
+        rank = 32
+        u = np.random.default_rng([seed, 3]).standard_normal((N_VOCAB, rank)).astype(np.float32)
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        tensors["markov_w1.weight"] = u  # ggml {rank, n_vocab}: row prev
+        # ggml {rank, n_vocab_draft}: the row of t is markov * u[pred t], so bias(prev)[succ prev] = markov
+        tensors["markov_w2.weight"] = markov * u[pred[cyc]]
+        if confidence is not None:
+            tensors["conf_proj.weight"] = np.zeros((1, n_embd + rank), dtype=np.float32)
+            tensors["conf_proj.bias"] = np.full(1, confidence, dtype=np.float32)
+    writer = gguf.GGUFWriter(str(path), "dflash")
+    writer.add_string("general.name", "tiny-dspark" if markov else "tiny-dflash")
+    writer.add_uint32("general.file_type", {"f32": 0, "f16": 1, "q8_0": 7}[dtype])
+    write_arch_keys(writer, "dflash", {
+        "context_length": N_CTX_TRAIN, "embedding_length": n_embd, "block_count": 1, "feed_forward_length": n_ff,
+        "attention.head_count": n_head, "attention.head_count_kv": 1, "attention.key_length": hd,
+        "attention.value_length": hd, "rope.dimension_count": hd, "vocab_size": N_VOCAB,
+        "rope.freq_base": base, "attention.layer_norm_rms_epsilon": RMS_EPS, "block_size": block_size,
+        "target_layers": list(layers),
+    })
+    writer.add_bool("dflash.attention.causal", False)
+    if markov:
+        writer.add_bool("dflash.sample_from_anchor", True)
+        writer.add_bool("dflash.has_confidence_head", confidence is not None)
+    _write_tokenizer(writer)
+    writer.add_uint32("tokenizer.ggml.mask_token_id", DFLASH_MASK)
+    return _write_tensors(writer, path, tensors, dtype, ("output.weight", "markov_w2.weight"))
 
 
 def write_pair(directory: str | os.PathLike, arch: str, *, draft_arch: str | None = None, seed: int = 0,
