@@ -48,12 +48,13 @@ SETTINGS = (
 
 
 def run_specchat(home: Path, target: Path, draft: Path, prompt: str, spec_type: str | None, uses_draft: bool,
-                 n: int, threads: int) -> dict:
+                 n: int, threads: int, extra: tuple[str, ...] = ()) -> dict:
     args = [sys.executable, "-m", "specchat.cli", "prompt", prompt, "--raw", "-m", str(target), "--temp", "0", "-n", str(n),
             "--ignore-eos", "--json", "-t", str(threads), "-ngl", "0", "--no-lookup-history"]
     args += ["--spec-type", spec_type] if spec_type else ["--no-spec"]
     if uses_draft:
         args += ["-md", str(draft)]
+    args += list(extra)
     env = {**os.environ, "SPECCHAT_HOME": str(home), "PYTHONPATH": str(ROOT)}
     out = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     if out.returncode != 0:
@@ -65,7 +66,7 @@ def run_specchat(home: Path, target: Path, draft: Path, prompt: str, spec_type: 
 
 
 def run_llamacpp(binary: Path, target: Path, draft: Path, prompt: str, spec_type: str | None, uses_draft: bool,
-                 n: int, threads: int) -> dict:
+                 n: int, threads: int, extra: tuple[str, ...] = ()) -> dict:
     args = [str(binary), "-m", str(target), "-p", prompt, "-n", str(n), "-t", str(threads), "-c", "2048", "--temp", "0",
             "--top-k", "1", "-s", "1", "--ignore-eos", "-ngl", "0"]
     if spec_type:
@@ -74,6 +75,7 @@ def run_llamacpp(binary: Path, target: Path, draft: Path, prompt: str, spec_type
         return {}
     if uses_draft:
         args += ["-md", str(draft), "-ngld", "0", "-td", str(threads)]
+    args += list(extra)
     out = subprocess.run(args, capture_output=True, text=True, timeout=900)
     log = out.stdout + out.stderr
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
