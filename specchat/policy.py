@@ -202,10 +202,12 @@ class Member:
         one = self.draft_cost(1)
         return [n * one for n in range(n_max + 1)]
 
-    def learn_cost(self, drafted: int, seconds: float) -> None:
-        """A draft of `drafted` tokens took `seconds` of the drafter's time."""
+    def learn_cost(self, drafted: int, seconds: float, proposal: Draft | None = None) -> None:
+        """A draft of `drafted` tokens took `seconds` of the drafter's time. A block drafter ran a block of
+        the size asked for (`proposal.planned`), however many tokens its confidence kept."""
         if self.block:
-            self.draft_cost.update(drafted + self.drafter.extra_slots, seconds)
+            asked = proposal.planned if proposal is not None and proposal.planned else drafted
+            self.draft_cost.update(asked + self.drafter.extra_slots, seconds)
         else:
             self.draft_cost.update(1, seconds / drafted)
 
@@ -345,7 +347,7 @@ class AdaptivePolicy:
                 continue
             member.idle = 0 if mine else member.idle + 1
             if mine and self.learn_costs and member.draft_cost is not None:
-                member.learn_cost(step.drafted, step.draft_seconds)
+                member.learn_cost(step.drafted, step.draft_seconds, self._proposals.get(id(member)))
                 self._judge(member)
         self._proposals = {}
 

@@ -24,7 +24,7 @@ from specchat.backend import BackendError
 from specchat.dflash import BlockDrafter, BlockHead
 from specchat.engine import Finished, TokenEvent, generate
 from specchat.memory import MemoryKind
-from specchat.policy import FixedPolicy, Member
+from specchat.policy import AdaptivePolicy, FixedPolicy, Member
 from specchat.costs import CostModel
 from specchat.sampling import SamplingParams, process
 
@@ -210,6 +210,24 @@ def test_the_policy_prices_a_block_as_one_forward():
     assert seconds[1:] == pytest.approx([block_cost(n + 1) for n in range(1, 7)])
     one_token_model = Member(type("M", (), {"kind": kinds.DRAFT_MODEL})(), block_cost)
     assert one_token_model.draft_seconds(6)[6] == pytest.approx(6 * block_cost(1))
+
+
+def test_the_policy_learns_a_blocks_cost_at_the_size_it_ran():
+    """Timings of block drafts update the draft's cost model at the block's size (its extra slot included),
+    the size asked for, and the policy drafts with a block drafter whose drafts are right."""
+    target, drafter = fake_block(False)
+    verify = CostModel([1, 2, 4, 8], [0.010, 0.011, 0.012, 0.014], measured=False)
+    draft_cost = CostModel([1, 4, 8], [0.001, 0.0012, 0.0015], measured=False)
+    learned = []
+    original = draft_cost.update
+    draft_cost.update = lambda n, seconds, weight=0.1: (learned.append(n), original(n, seconds, weight))[1]
+    policy = AdaptivePolicy(drafter, verify, draft_max=8, draft_costs=[draft_cost])
+    sizes = []
+    original_eval = drafter.head.eval
+    drafter.head.eval = lambda tokens, at, **kw: (sizes.append(len(tokens)), original_eval(tokens, at, **kw))[1]
+    finished = list(generate(target, drafter, PROMPT, GREEDY, max_tokens=40, policy=policy))[-1]
+    assert finished.stats.drafted > 0 and learned
+    assert sorted(set(learned)) == sorted(set(sizes))  # every timing at a size a block really ran at
 
 
 # -- tiny llama.cpp files --------------------------------------------------------------------------------
