@@ -19,8 +19,10 @@ server per drafter: none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, a
 slot each, prompt cache on: turn 2 reuses turn 1), /v1/chat/completions with the model's own template,
 temperature 0, the same -n with ignore_eos. tok/s per turn is its `timings.predicted_per_second`.
 
-Each conversation runs in every setting before the next one starts, so a busy moment hits all alike. The
-reference per turn is the fastest server on that turn. Geometric means are split into first turns and
+Each conversation runs in every setting before the next one starts, so a busy moment hits all alike; with
+--reps R every conversation runs R times so (interleaved), and each setting's tok/s on a turn is the median
+of its R runs. The reference per turn is the fastest server on that turn (of the medians: the best of five
+single runs would favour the servers with their luckiest moment). Geometric means are split into first turns and
 later turns (those that copy from earlier replies). Texts can part between specchat and the server where
 two greedy candidates tie within batched-logit noise; each side continues its own conversation.
 """
@@ -146,6 +148,13 @@ class Server:
 # -- the table -------------------------------------------------------------------------------------
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tok/s (its other fields kept: drafted, accepted, n of that same run)."""
+    ordered = sorted(runs, key=lambda r: r["tps"])
+    return ordered[(len(ordered) - 1) // 2] if len(ordered) % 2 else {
+        **ordered[len(ordered) // 2], "tps": (ordered[len(ordered) // 2 - 1]["tps"] + ordered[len(ordered) // 2]["tps"]) / 2}
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
@@ -158,8 +167,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--server-bin", type=Path, default=None, help="llama-server (default: build it once)")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each conversation in each setting; tok/s is their median")
     a = ap.parse_args()
-    for name in ("n", "threads", "ctx"):
+    for name in ("n", "threads", "ctx", "reps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be at least 1")
     data = json.loads(CONVERSATIONS.read_text())
@@ -180,15 +190,19 @@ def main() -> None:
                 server.chat([{"role": "user", "content": "Hello"}], 8)
             rows = []
             for convo in conversations:
-                ours = run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx)
-                theirs = {s.spec_type: s.conversation(convo["turns"], a.n) for s in servers}
+                ours_runs, theirs_runs = [], []
+                for _ in range(a.reps):
+                    ours_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx))
+                    theirs_runs.append({s.spec_type: s.conversation(convo["turns"], a.n) for s in servers})
                 for i in range(len(convo["turns"])):
-                    rows.append((convo["name"], i, ours[i], {t: theirs[t][i] for t in SERVER_TYPES}))
+                    ours = median_run([run[i] for run in ours_runs])
+                    theirs = {t: median_run([run[t][i] for run in theirs_runs]) for t in SERVER_TYPES}
+                    rows.append((convo["name"], i, ours, theirs))
         finally:
             for server in servers:
                 server.close()
     print(f"# specchat chat vs llama-server · {a.model} · {a.set} set ({len(conversations)} conversations, "
-          f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads")
+          f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads · median of {a.reps}")
     head = f"{'conversation':<14}{'turn':>5}{'specchat':>10}{'acc':>6}" + "".join(f"{t:>15}" for t in SERVER_TYPES)
     print(head + f"{'best server':>16}{'ratio':>8}")
     firsts, laters, worst = [], [], (float("inf"), "")
