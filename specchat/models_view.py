@@ -12,7 +12,7 @@ from .config import Config, ConfigError, load_config
 from .crossvocab import file_vocab_map, vocabulary_note
 from .gguf_header import gguf_arch, gguf_nextn_layers, gguf_values
 from .memory import arch_memory
-from .sources import SourceError, describe, is_present, resolve
+from .sources import SourceError, describe, header_file, is_present, joined, resolve
 from .vocab import check_compatible, read_vocab
 
 
@@ -56,7 +56,7 @@ MEMORY_WORDS = {"kv": "KV cache", "snapshots": "recurrent, snapshots", "checkpoi
 def _memory(spec) -> str:
     """The model's architecture and how its cache is cut after a rejected draft (from the file's header)."""
     try:
-        path = resolve(spec, download=False)
+        path = header_file(spec)
         arch = gguf_arch(path)
     except (SourceError, ConfigError):
         return "[dim]?[/]"
@@ -94,6 +94,8 @@ def _compatibility(config: Config, pair, vocabs: dict) -> str:
         specs = [config.model(pair.target), config.model(model)]
         if not all(is_present(s) for s in specs):
             return "[dim]unknown until downloaded[/]"
+        if not all(joined(s) for s in specs):  # its vocabulary is read from the whole file
+            return "[dim]checked on first use (its split file is joined then)[/]"
         infos, files = [], []
         for spec in specs:
             files.append(resolve(spec, download=False))

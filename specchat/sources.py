@@ -55,6 +55,19 @@ def resolve(spec: ModelSpec, *, download: bool = True, progress: bool = True) ->
     raise SourceError(f"model '{spec.name}' has an unknown source kind '{spec.kind}'")
 
 
+def joined(spec: ModelSpec) -> bool:
+    """Whether a model split over part packages has been joined into its file yet (any other: True)."""
+    return spec.kind != "parts" or (joined_path(spec).is_file() and joined_path(spec).stat().st_size == spec.size)
+
+
+def header_file(spec: ModelSpec) -> Path:
+    """A file that starts with the model's GGUF header, without joining anything: a split model's first
+    part until it is joined (`specchat models` reads headers; joining 1.5 GB to list them is not worth it)."""
+    if spec.kind == "parts" and not joined(spec):
+        return _part_file(spec.parts[0])
+    return resolve(spec, download=False, progress=False)
+
+
 def is_present(spec: ModelSpec) -> bool:
     """Whether the file is on this machine now: no download, no assembling."""
     try:

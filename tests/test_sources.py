@@ -365,6 +365,20 @@ def test_parts_are_joined_once_checked_and_moved_into_place(tmp_path, monkeypatc
     assert "3 parts" in sources.describe(spec)
 
 
+def test_a_split_models_header_is_read_from_its_first_part_without_joining(tmp_path, monkeypatch):
+    """`specchat models` reads headers: a split model's first part starts with it, so listing joins nothing."""
+    from specchat import sources
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref, size, sha = make_parts(tmp_path, "headeronly_part", CHUNKS)
+    spec = parts_spec("headeronly", ref, size, sha)
+    first = sources.header_file(spec)
+    assert first.read_bytes() == CHUNKS[0] and not sources.joined(spec)
+    assert not sources.joined_path(spec).exists()
+    path = resolve(spec, progress=False)
+    assert sources.joined(spec) and sources.header_file(spec) == path
+
+
 def test_parts_with_a_wrong_checksum_leave_nothing_behind(tmp_path, monkeypatch):
     from specchat import sources
 
