@@ -120,16 +120,26 @@ class CostModel:
         if n <= 0:
             return 0.0
         base = self._table_list[n] if n < len(self._table_list) else self._extend(n)
-        return base * self.scale * (self.batch if n > 1 else 1.0)
+        if n == 1:
+            return base * self.scale
+        # a batch does at least one token's work: never priced below it (see seconds_list)
+        return max(base * self.scale * self.batch, self._table_list[1] * self.scale)
 
     def seconds_list(self, n_max: int) -> list[float]:
         """What `costs(n_max)` says, as a list: the policy reads these every step, right after a decode,
         when a Python list is cheaper than any numpy call."""
         if n_max >= len(self._table_list):
             return self.costs(n_max).tolist()
-        one, batch = self.scale, self.scale * self.batch
+        if n_max < 1:
+            return [0.0]
+        batch = self.scale * self.batch
         table = self._table_list
-        return [0.0, table[1] * one] + [table[n] * batch for n in range(2, n_max + 1)] if n_max >= 1 else [0.0]
+        # A batch costs at least what one token does. Timings can say otherwise (a cheap calibration of 2
+        # against one-token steps observed on a busy machine, a batch factor learned low): priced below one
+        # token, a one-token draft would look cheaper than no draft whatever its acceptance, and be sent
+        # every step.
+        one = table[1] * self.scale
+        return [0.0, one] + [max(table[n] * batch, one) for n in range(2, n_max + 1)]
 
     def sendable_list(self, n_max: int) -> list[bool]:
         """What `sendable(n_max)` says, as a list."""
@@ -149,7 +159,7 @@ class CostModel:
             out = self._table[: n_max + 1] * self.scale
         else:
             out = np.array([self._extend(m) for m in range(n_max + 1)]) * self.scale
-        out[2:] *= self.batch
+        out[2:] = np.maximum(out[2:] * self.batch, out[1] if n_max >= 1 else 0.0)
         return out
 
     def _extend(self, n: int) -> float:

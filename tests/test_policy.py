@@ -465,3 +465,15 @@ def test_reproducible_policy_never_reads_the_clock_or_the_store(tmp_path, monkey
     assert sum(first) > 0  # the adaptive policy drafts
     assert plans() == first and plans() == first
     assert not any(tmp_path.rglob("*.json"))  # no costs, no acceptance store
+
+
+def test_a_batch_is_never_priced_below_one_token():
+    """A cheap calibration of 2 tokens against dear one-token observations (a busy machine) must not make a
+    one-token draft look cheaper than none: with acceptance near 0 nothing is sent."""
+    model = CostModel([1, 2, 4, 8], [0.006, 0.0045, 0.008, 0.013], measured=True)
+    assert model(2) >= model(1) and model.seconds_list(8)[2] >= model.seconds_list(8)[1]
+    assert all(model.costs(8)[2:] >= model.costs(8)[1])
+    model.batch = 0.5  # a batch factor learned low
+    assert model(4) >= model(1) and min(model.seconds_list(8)[2:]) >= model.seconds_list(8)[1]
+    drafting = [0.0003 * n for n in range(9)]  # a draft model at 5% of a target token
+    assert best_length([0.04] * 8, model, drafting)[0] == 0
