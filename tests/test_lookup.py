@@ -692,7 +692,7 @@ def test_a_long_copy_is_drafted_as_far_as_its_match_earns_at_the_cheapest_batch(
     n, lookup = sending(13)
     assert n + 1 == GEMMA.cheapest_batch(2, 4 * 13 + 1) == 48
     # the estimates alone, without the stretch, would send less
-    assert 0 < best_length(lookup.acceptance.rates(13, 64), GEMMA, 0.0, 0.0, LOOKUP_MARGIN)[0] < n
+    assert 0 < best_length(lookup.acceptance.rates(13, 64), GEMMA, None, 0.0, LOOKUP_MARGIN)[0] < n
     n9, _ = sending(SPAN_LONG + 1)
     assert n9 + 1 == GEMMA.cheapest_batch(2, SPAN_FACTOR * (SPAN_LONG + 1) + 1) < 48  # 4 x 9: up to 37
     fresh, _ = sending(13, in_span=False)
@@ -723,7 +723,7 @@ def test_a_reply_that_has_copied_nothing_does_not_draft_a_one_token_match():
     policy = AdaptivePolicy(lookup, CostModel(GPU.sizes, GPU.seconds, measured=True), draft_max=64)
     tokens = list(range(10, 18))
     # at a GPU's costs a fresh 1-token match's prior alone would send
-    assert best_length(lookup.acceptance.rates(1, 7), GPU, 0.0, 0.0, LOOKUP_MARGIN)[0] > 0
+    assert best_length(lookup.acceptance.rates(1, 7), GPU, None, 0.0, LOOKUP_MARGIN)[0] > 0
     assert sent(policy, lookup, found(tokens, 1), limit=64) == 0
     policy.observe(step(0, 0), tokens[:1])  # the unsent proposal's first token came true
     assert not lookup.acceptance.copied  # one right token after a 1-token match is a coin toss, not a copy
