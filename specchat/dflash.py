@@ -168,15 +168,13 @@ class BlockHead(HeadBackend):
             self.tokens.extend(int(t) for t in tokens[start : start + m])
             self.evaluated += m
 
-    def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False,
-             states: np.ndarray | None = None) -> np.ndarray:
-        """One block: `tokens` at the positions after the held entries, in one forward (the calibration
-        times blocks of each size through this). Returns the logits rows at `logits_at`; the entries stay
+    def block(self, tokens: Sequence[int], read: range) -> np.ndarray:
+        """One block: `tokens` at the positions after the held entries, in one forward. Returns the logits rows
+        of slots `read` as a view of llama.cpp's buffer (valid until the head's next decode). The entries stay
         until `truncate` (a drafter cuts them at once: a block's entries are noise, not context)."""
         lib, n = self._lib, len(tokens)
         if n > self.n_batch or len(self.tokens) + n > self.n_ctx:
             raise BackendError(f"a DFlash block of {n} does not fit ({self.name})")
-        want = list(logits_at)
         lib.llama_batch_ext_clear(self._batch)
         p0 = len(self.tokens)
         for j, token in enumerate(tokens):
@@ -184,17 +182,25 @@ class BlockHead(HeadBackend):
             self._pos.value = p0 + j
             if idx < 0 or not lib.llama_batch_ext_set_pos(self._batch, idx, ctypes.byref(self._pos)):
                 raise BackendError(f"llama.cpp refused a DFlash block entry ({self.name})")
-            lib.llama_batch_ext_set_output_logits(self._batch, idx, True)
+            lib.llama_batch_ext_set_output_logits(self._batch, idx, True)  # (DSpark's graph needs every slot)
         rc = lib.llama_process(self.ctx, 1, self._batch)
         if rc != 0:
             lib.llama_memory_seq_rm(self._mem, 0, p0, -1)
             raise BackendError(f"llama_process failed with code {rc} ({self.name})")
         self.tokens.extend(int(t) for t in tokens)
         self.evaluated += n
-        rows = np.empty((len(want), self.n_vocab), dtype=np.float32)
-        for r, j in enumerate(want):
-            rows[r] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j), shape=(self.n_vocab,))
-        return rows
+        # every slot is an output, in batch order: llama.cpp holds their rows contiguously
+        rows = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(n, self.n_vocab))
+        return rows[read.start : read.stop]
+
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int], *, in_place: bool = False,
+             states: np.ndarray | None = None) -> np.ndarray:
+        """What a drafting step of a block of len(tokens) costs, as the calibration times it (the policy
+        prices a draft with this): as many feature entries injected as a verify of that size brings back
+        (zero rows), then the block. Returns the block's logits rows at `logits_at` (copies)."""
+        self.inject(tokens, np.zeros((len(tokens), self.n_embd_in), dtype=np.float32))
+        rows = self.block(tokens, range(len(tokens)))
+        return np.array(rows[list(logits_at)], dtype=np.float32)
 
     def confidences(self, slots: Sequence[int]) -> np.ndarray:
         """The confidence head's value at block slots `slots` of the last eval (every slot an output): llama.cpp
@@ -276,7 +282,7 @@ class BlockDrafter(ModelDrafting):
         read = range(self.extra_slots, slots)
         use_confidence = self.head.file.confidence and self.p_min > 0
         try:
-            rows = self.head.eval([context[-1]] + [self.head.mask] * (slots - 1), read)
+            rows = self.head.block([context[-1]] + [self.head.mask] * (slots - 1), read)
             confidence = self.head.confidences(read) if use_confidence else None
         finally:
             self.head.truncate(last)  # the block's entries are noise: the next verify's features replace them

@@ -99,12 +99,12 @@ class FakeBlockHead:
         self.features.extend(np.asarray(features))
         self.evaluated += len(tokens)
 
-    def eval(self, tokens, logits_at, *, in_place=False, states=None):
+    def block(self, tokens, read):
         last = self.features[len(self.tokens) - 1] if self.tokens else np.zeros(2 * V)
         before = int(np.argmax(last[V:]))
         anchor = int(tokens[0])
         rows, prev = [], anchor
-        for j in logits_at:
+        for j in read:
             row = BASE[before, anchor, j].copy()
             if self.markov:
                 row += W2 @ W1[prev]
@@ -182,8 +182,8 @@ def test_a_block_draft_is_one_forward_and_the_block_entries_are_cut():
         target, drafter = fake_block(markov)
         head = drafter.head
         sizes, held = [], []
-        original_eval, original_propose = head.eval, drafter.propose
-        head.eval = lambda tokens, at, **kw: (sizes.append(len(tokens)), original_eval(tokens, at, **kw))[1]
+        original_block, original_propose = head.block, drafter.propose
+        head.block = lambda tokens, read: (sizes.append(len(tokens)), original_block(tokens, read))[1]
 
         def propose(context, k, params, rng):
             draft = original_propose(context, k, params, rng)
@@ -223,8 +223,8 @@ def test_the_policy_learns_a_blocks_cost_at_the_size_it_ran():
     draft_cost.update = lambda n, seconds, weight=0.1: (learned.append(n), original(n, seconds, weight))[1]
     policy = AdaptivePolicy(drafter, verify, draft_max=8, draft_costs=[draft_cost])
     sizes = []
-    original_eval = drafter.head.eval
-    drafter.head.eval = lambda tokens, at, **kw: (sizes.append(len(tokens)), original_eval(tokens, at, **kw))[1]
+    original_block = drafter.head.block
+    drafter.head.block = lambda tokens, read: (sizes.append(len(tokens)), original_block(tokens, read))[1]
     finished = list(generate(target, drafter, PROMPT, GREEDY, max_tokens=40, policy=policy))[-1]
     assert finished.stats.drafted > 0 and learned
     assert sorted(set(learned)) == sorted(set(sizes))  # every timing at a size a block really ran at
