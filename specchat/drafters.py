@@ -165,12 +165,15 @@ class Acceptance:
         return per_position[np.minimum(np.arange(n), MAX_POSITION - 1)]
 
     def record(self, accepted: int, tried: int) -> None:
-        """Positions 0..tried-1 were checked; the first `accepted` of them were kept."""
+        """`tried` drafts went to the target and the first `accepted` were kept: draft `accepted` (if sent)
+        was wrong and those after it were never checked, so they say nothing. Counting them as tried would
+        turn the estimates into P(all of 0..i kept), which best_length multiplies again as if conditional:
+        long drafts priced far below what they earn."""
         if tried <= 0:
             return
         self.hits *= self.decay
         self.tries *= self.decay
-        for i in range(tried):
+        for i in range(min(tried, accepted + 1)):
             j = min(i, MAX_POSITION - 1)
             self.tries[j] += 1
             if i < accepted:

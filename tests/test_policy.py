@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from specchat.drafters import Acceptance
 from specchat.engine import Finished, generate
 from specchat.costs import (
     CostModel,
@@ -477,3 +478,19 @@ def test_a_batch_is_never_priced_below_one_token():
     assert model(4) >= model(1) and min(model.seconds_list(8)[2:]) >= model.seconds_list(8)[1]
     drafting = [0.0003 * n for n in range(9)]  # a draft model at 5% of a target token
     assert best_length([0.04] * 8, model, drafting)[0] == 0
+
+
+def test_a_draft_models_estimates_are_conditional_on_the_drafts_before_them():
+    """Each draft is kept with probability 0.8 given the ones before it were: the estimate at every position
+    is 0.8, not the 0.8**(i+1) of counting the drafts after a rejection as tried (which best_length would
+    multiply again, pricing long drafts far below what they earn)."""
+    rng = np.random.default_rng(3)
+    acceptance = Acceptance(prior_hits=1.0, prior_tries=2.0, decay=1.0)
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 8 and rng.random() < 0.8:
+            accepted += 1
+        acceptance.record(accepted, 8)
+    assert acceptance.rates(8) == pytest.approx([0.8] * 8, abs=0.03)
+    assert acceptance.tries[7] < acceptance.tries[0] / 3  # the 8th draft is reached in 0.8**7 = 21% of steps
+    assert best_length(acceptance.rates(8), GPU)[0] == 8  # nearly free verification: the whole draft
