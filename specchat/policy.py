@@ -345,8 +345,12 @@ class AdaptivePolicy:
             member.drafter.learn(self._proposals.get(id(member)), sent, accepted, emitted)
             if member.free:
                 continue
-            member.idle = 0 if mine else member.idle + 1
-            if mine and self.learn_costs and member.draft_cost is not None:
+            caught_up, member.idle = member.idle > 0, 0 if mine else member.idle + 1
+            # A draft after idle steps also caught the drafter up on every token since its last (a draft
+            # model's batch, a head's rows, a block drafter's injections): priced as the draft, one probe
+            # after 32 idle steps made a drafter look several times dearer, and it was never asked again.
+            # Steps that follow a draft pay only the last step's tokens: the steady state a price assumes.
+            if mine and not caught_up and self.learn_costs and member.draft_cost is not None:
                 member.learn_cost(step.drafted, step.draft_seconds, self._proposals.get(id(member)))
                 self._judge(member)
         self._proposals = {}

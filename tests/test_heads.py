@@ -440,6 +440,13 @@ def test_the_policy_learns_the_heads_cost_like_a_draft_models(mtp_files, tmp_pat
         sent = policy.draft(drafter, [1, 2, 3, 4], 3, SamplingParams(temperature=0.0), np.random.default_rng(0))
         assert sent.drafter is drafter and sent.tokens
         policy.observe(step, [1, 2, 4])
+        # the probe's time includes catching the head up on the idle steps' tokens: not learned from
+        assert draft_cost.scale == before
+        policy._price = lambda member, offer: (3, 1.0)  # the next step drafts again, whatever its price
+        target.eval([5, 6, 7], [2])
+        sent = policy.draft(drafter, [1, 2, 3, 4, 5, 6, 7], 3, SamplingParams(temperature=0.0), np.random.default_rng(0))
+        assert sent.drafter is drafter and sent.tokens
+        policy.observe(step, [5, 6, 7])
         assert draft_cost.scale > before
     finally:
         head.close()

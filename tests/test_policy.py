@@ -494,3 +494,18 @@ def test_a_draft_models_estimates_are_conditional_on_the_drafts_before_them():
     assert acceptance.rates(8) == pytest.approx([0.8] * 8, abs=0.03)
     assert acceptance.tries[7] < acceptance.tries[0] / 3  # the 8th draft is reached in 0.8**7 = 21% of steps
     assert best_length(acceptance.rates(8), GPU)[0] == 8  # nearly free verification: the whole draft
+
+
+def test_a_draft_after_idle_steps_teaches_no_cost_and_one_after_a_draft_does():
+    """A draft after idle steps also caught the drafter up on every token since its last one: taken for the
+    draft's price, each probe after PROBE_AFTER idle steps made the drafter dearer, and it was never asked."""
+    draft_cost = CostModel([1, 2], [0.002, 0.004])
+    policy, drafter = modelled(GPU, draft_cost)
+    member = policy.members[0]
+    member.idle = PROBE_AFTER  # a probe
+    assert sent(policy, drafter, limit=2) > 0
+    policy.observe(step(2, 1, verify=0.02, draft=0.04), [1, 2])  # 10x the calibration: the catch-up
+    assert draft_cost.scale == 1.0 and member.idle == 0
+    assert sent(policy, drafter, limit=2) > 0
+    policy.observe(step(2, 1, verify=0.02, draft=0.008), [1, 2])  # 2x: the drafter's own pace
+    assert draft_cost.scale == pytest.approx(0.9 + 0.1 * 2.0)
