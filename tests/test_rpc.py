@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import resource
+import select
 import signal
 import socket
 import subprocess
@@ -330,12 +331,14 @@ def busy_client(worker: Worker) -> subprocess.Popen:
          "--rpc", worker.endpoint, "--no-spec", "--temp", "0", "-n", "3000", "--ignore-eos", "-c", "4096"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
     )
+    # the first streamed text, not the worker's CPU time: a worker busy receiving the weights, killed then,
+    # is refused at the load's next connection ("unreachable"), not lost mid-reply
     deadline = time.monotonic() + 90
-    while worker.cpu() < 1.0:
+    while not select.select([client.stdout], [], [], 0.1)[0]:
         if client.poll() is not None or time.monotonic() > deadline:
             client.kill()
-            raise AssertionError(f"the worker never got busy: {client.communicate()[1]}")
-        time.sleep(0.1)
+            raise AssertionError(f"the client never started its reply: {client.communicate()[1]}")
+    os.read(client.stdout.fileno(), 1)  # (the text wrapper has buffered nothing: communicate reads the rest)
     return client
 
 
