@@ -83,13 +83,13 @@ def test_a_seed_reproduces_a_sampled_run(target, draft):
     assert first.stats.accepted > 0
 
 
-def test_600_tokens_with_rollbacks_on_both_caches(target, draft):
+def test_300_tokens_with_rollbacks_on_both_caches(target, draft):
     drafter = DraftModel.checked(draft, target, p_min=0.0)
     params = SamplingParams(temperature=0.8, seed=11, banned=target.eog_tokens())  # --ignore-eos
     prompt_ids = prompt_ids_for(target, "Write a long Python module with several small utility functions.")
     recoveries = (target.rollback_recoveries, draft.rollback_recoveries)
-    finished, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=600)
-    assert len(finished.token_ids) == 600
+    finished, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=300)
+    assert len(finished.token_ids) == 300
     assert finished.stats.drafted > finished.stats.accepted > 0  # rejections: both caches were cut back
     assert (target.rollback_recoveries, draft.rollback_recoveries) == recoveries
     context = prompt_ids + finished.token_ids
