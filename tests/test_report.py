@@ -489,6 +489,24 @@ def test_real_report_on_the_default_pair(tmp_path, measured_home):
         image.verify()
 
 
+def test_a_block_drafter_is_priced_per_draft_in_the_projection():
+    """A DFlash draft costs one forward whatever its length: c is per draft, and the projection charges it
+    once per drafting step (a per-token c would call its long drafts 2-7x dearer than they are)."""
+    agg = rp.aggregate(hand_records(), drafter_kind="dflash", min_samples=1)
+    spec = agg["summary"]["a"]["k=2"]
+    # c = (0.03 s / 3 drafts) / (0.5 s / 4 tokens) = 0.08; every step drafted: projected = 2 / (1 + 0.08)
+    assert spec["draft_cost_ratio"] == pytest.approx(0.08)
+    assert spec["projected_speedup"] == pytest.approx(2 / 1.08)
+    a = agg["projected"]["a"]
+    assert a["cost_per"] == "forward" and a["draft_cost_ratio"] == pytest.approx(0.08)
+    assert a["k"] == 2 and a["speedup"] == pytest.approx((1 + 2 / 3 + 1 / 3) / 1.08)
+    # E(k) = 1, 1.9, 2.71, 3.21 for one forward of c = 0.5 each: the whole block pays, and up to c < 2.21
+    pr = rp.project_best_k([0.9, 0.81, 0.5], 0.5, forward=True)
+    assert pr["k"] == 3 and pr["speedup"] == pytest.approx(3.21 / 1.5)
+    assert pr["break_even_cost_ratio"] == pytest.approx(2.21)
+    assert rp.project_best_k([0.9, 0.81, 0.5], 0.5)["k"] == 2  # per token: 2.71 / 2 beats 3.21 / 2.5
+
+
 def test_project_best_k_by_hand():
     # E(k) = 1, 1.9, 2.71, 3.21; with c = 0.1: 1, 1.727, 2.258, 2.469 -> k = 3
     pr = rp.project_best_k([0.9, 0.81, 0.5], 0.1)

@@ -87,6 +87,7 @@ class Projection(_Row):
     min_samples: int = 1
     positions_left_out: int = 0  # positions further on, drafted fewer times: not used
     position_tries: list[int] = field(default_factory=list)  # steps that drafted that far, per used position
+    cost_per: str = "token"  # what c is the price of: a drafted token, or a block drafter's one forward ("forward")
 
 
 @dataclass(eq=False)
@@ -108,25 +109,46 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _kinds(drafter_kind: str | None) -> list:
+    return [kinds.by_name(name) for name in (drafter_kind or "").split(",") if name]
+
+
+def per_forward(drafter_kind: str | None) -> bool:
+    """Whether the drafter drafts a whole block in one forward (DFlash, DSpark): its cost is per draft, not
+    per drafted token."""
+    named = _kinds(drafter_kind)
+    return bool(named) and all(kind is not None and kind.cost == "block" for kind in named)
+
+
+def _drafts(stats: RunStats) -> int:
+    """The steps that drafted anything."""
+    return stats.position_tries[0] if stats.position_tries else 0
+
+
 def draft_cost_ratio(stats: RunStats, baseline: RunStats | None, drafter_kind: str | None) -> float | None:
-    """c = draft seconds per drafted token / target-only seconds per generated token. A free drafter's
-    proposals (prompt lookup's) cost nothing (c = 0 by definition), and so does drafting nothing.
-    `drafter_kind`: the drafter's kind name, a chain's joined with ","."""
-    named = [kinds.by_name(name) for name in (drafter_kind or "").split(",") if name]
+    """c = draft seconds per drafted token / target-only seconds per generated token (a block drafter: per
+    draft, whatever its length). A free drafter's proposals (prompt lookup's) cost nothing (c = 0 by
+    definition), and so does drafting nothing. `drafter_kind`: the drafter's kind name, a chain's joined
+    with ","."""
+    named = _kinds(drafter_kind)
     if stats.drafted == 0 or (named and all(kind is not None and kind.free for kind in named)):
         return 0.0
     if baseline is None or baseline.emitted == 0 or baseline.generate_seconds <= 0:
         return None
-    return (stats.draft_seconds / stats.drafted) / (baseline.generate_seconds / baseline.emitted)
-
-
-def projected_speedup(tau: float | None, drafted_per_step: float | None, c: float | None) -> float | None:
-    """Speedup this acceptance would give where verifying k tokens costs about as much as verifying one
-    (a GPU at batch 1): tau / (1 + c * drafted per step) — Leviathan et al.'s formula with the measured
-    tau and draft cost in place of the i.i.d. acceptance model. PROJECTED, not measured."""
-    if tau is None or drafted_per_step is None or c is None:
+    units = _drafts(stats) if per_forward(drafter_kind) else stats.drafted
+    if units == 0:
         return None
-    return tau / (1.0 + c * drafted_per_step)
+    return (stats.draft_seconds / units) / (baseline.generate_seconds / baseline.emitted)
+
+
+def projected_speedup(tau: float | None, paid_per_step: float | None, c: float | None) -> float | None:
+    """Speedup this acceptance would give where verifying k tokens costs about as much as verifying one
+    (a GPU at batch 1): tau / (1 + c * what c is paid for per step: drafted tokens, a block drafter's drafts)
+    — Leviathan et al.'s formula with the measured tau and draft cost in place of the i.i.d. acceptance
+    model. PROJECTED, not measured."""
+    if tau is None or paid_per_step is None or c is None:
+        return None
+    return tau / (1.0 + c * paid_per_step)
 
 
 # what the projection assumes, printed wherever it is shown
@@ -137,8 +159,9 @@ PROJECTION_ASSUMPTION = (
 
 
 def project_best_k(per_position: Sequence[float], c: float | None, tries: Sequence[int] | None = None,
-                   min_samples: int = 1) -> Projection | None:
-    """The best draft length where verification is free: maximise E(k) / (1 + c k), E(k) = 1 + sum of the
+                   min_samples: int = 1, forward: bool = False) -> Projection | None:
+    """The best draft length where verification is free: maximise E(k) / (1 + c k) (`forward`, a block
+    drafter: E(k) / (1 + c) for any k > 0, one draft forward whatever its length), E(k) = 1 + sum of the
     measured per-position acceptance (probability that drafts 1..i are all accepted) up to k. With `tries`
     (steps that drafted that far, per position) only the leading positions drafted at least `min_samples`
     times are used. None when no position qualifies, nothing was drafted, or c is unknown."""
@@ -153,17 +176,18 @@ def project_best_k(per_position: Sequence[float], c: float | None, tries: Sequen
     expected = [1.0]
     for a in per_position:
         expected.append(expected[-1] + a)
-    speedups = [e / (1.0 + c * k) for k, e in enumerate(expected)]
+    speedups = [e / (1.0 + c * (min(k, 1) if forward else k)) for k, e in enumerate(expected)]
     best = max(range(len(speedups)), key=lambda k: (speedups[k] > speedups[0] * 1.0001, speedups[k], -k))
     if speedups[best] <= speedups[0]:
         best = 0
-    # the dearest draft that still pays at some k: speedup(k) > 1 iff c < (E(k) - 1) / k
-    break_even = max((expected[k] - 1.0) / k for k in range(1, len(expected)))
+    # the dearest draft that still pays at some k: speedup(k) > 1 iff c < (E(k) - 1) / k (a block: E(k) - 1)
+    break_even = max((expected[k] - 1.0) / (1 if forward else k) for k in range(1, len(expected)))
     return Projection(k=best, speedup=speedups[best], tokens_per_step=expected[best], draft_cost_ratio=c,
                       break_even_cost_ratio=break_even, per_position_acceptance=list(per_position),
                       measured_positions=len(per_position), min_samples=min_samples if tries is not None else 1,
                       positions_left_out=all_positions - len(per_position),
-                      position_tries=list(tries[: len(per_position)]) if tries is not None else [])
+                      position_tries=list(tries[: len(per_position)]) if tries is not None else [],
+                      cost_per="forward" if forward else "token")
 
 
 def summary_row(stats: RunStats, baseline: RunStats | None, *, drafter_kind: str | None, prompts: int, runs: int,
@@ -174,6 +198,8 @@ def summary_row(stats: RunStats, baseline: RunStats | None, *, drafter_kind: str
     base_e2e = baseline.end_to_end_tokens_per_second if baseline else None
     per_step = stats.drafted / stats.steps if stats.steps else None
     c = draft_cost_ratio(stats, baseline, drafter_kind)
+    # what c is paid per: a drafted token, or a block drafter's draft (one forward whatever its length)
+    paid_per_step = _drafts(stats) / stats.steps if per_forward(drafter_kind) and stats.steps else per_step
     return SummaryRow(
         prompts=prompts, runs=runs, stats=stats,
         baseline_tokens_per_second=base_tps,
@@ -184,7 +210,7 @@ def summary_row(stats: RunStats, baseline: RunStats | None, *, drafter_kind: str
         drafted_per_step=per_step,
         draft_cost_ratio=c,
         # plain decoding is the unit of the projection: exactly 1 by definition
-        projected_speedup=1.0 if is_baseline else projected_speedup(stats.mean_accepted_length, per_step, c),
+        projected_speedup=1.0 if is_baseline else projected_speedup(stats.mean_accepted_length, paid_per_step, c),
     )
 
 
@@ -245,7 +271,8 @@ def aggregate(records: Sequence[RunRecord], *, drafter_kind: str | None = None,
             if name != BASELINE and (cat, name) in merged:
                 pooled.merge(merged[(cat, name)])
         c = draft_cost_ratio(pooled, merged.get((cat, BASELINE)), drafter_kind)
-        projection[cat] = project_best_k(pooled.per_position_acceptance, c, pooled.position_tries, min_samples)
+        projection[cat] = project_best_k(pooled.per_position_acceptance, c, pooled.position_tries, min_samples,
+                                         forward=per_forward(drafter_kind))
     return Aggregate(
         categories=categories,
         settings=names,

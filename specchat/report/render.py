@@ -99,7 +99,8 @@ def table_specs(agg: Mapping, *, categories: Sequence[str] | None = None, max_po
         note="gen × / e2e ×: measured speedup, generation phase / prefill included. draft: drafting's share "
              "of step time. * proj.: PROJECTED, not measured: the speedup this acceptance would give where "
              "verifying k tokens costs about as much as one (a GPU at batch 1), τ / (1 + c · drafted per "
-             "step), c = draft cost per token / target-only cost per token (0 for prompt lookup).",
+             "step), c = draft cost per token (a block drafter's: per draft, one forward whatever its length) / target-only "
+             "cost per token (0 for prompt lookup).",
     ))
 
     projected = agg.get("projected") or {}
@@ -114,8 +115,8 @@ def table_specs(agg: Mapping, *, categories: Sequence[str] | None = None, max_po
     specs.append(TableSpec(
         "Projected where verifying k tokens costs one decode (a GPU at batch 1)",
         ["category", "c", "best k", "τ at k", "proj. ×", "pays if c <"], rows, highlight={len(rows) - 1},
-        note=agg.get("projection_assumption", PROJECTION_ASSUMPTION) + ". c = draft cost per drafted token / "
-             "target-only cost per token (0 for prompt lookup); τ at k = 1 + the per-position acceptance summed to k; "
+        note=agg.get("projection_assumption", PROJECTION_ASSUMPTION) + ". c = draft cost per drafted token (a "
+             "block drafter's: per draft) / target-only cost per token (0 for prompt lookup); τ at k = 1 + the per-position acceptance summed to k; "
              "pays if c <: on hardware where the draft's cost ratio is below this, some k gains.",
     ))
 
