@@ -147,12 +147,6 @@ class CostModel:
             return self.sendable(n_max).tolist()
         return self._sendable_list[: n_max + 1]
 
-    def cheapest_batch(self, low: int, high: int) -> int | None:
-        """The sendable batch size in low..high that costs the least per token (None if there is none)."""
-        table, sendable = self.seconds_list(high), self.sendable_list(high)
-        sizes = [n for n in range(max(low, 1), high + 1) if sendable[n]]
-        return min(sizes, key=lambda n: table[n] / n) if sizes else None
-
     def costs(self, n_max: int) -> np.ndarray:
         """Seconds for batch sizes 0..n_max (index = size)."""
         if n_max < len(self._table):

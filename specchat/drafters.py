@@ -48,12 +48,10 @@ class Draft:
 class Offer:
     """What a drafter expects of a draft: rates[i] = P(position i accepted | positions < i accepted), one
     per position it could send (fewer rates cap the draft); `margin`, how much better than plain decoding
-    the draft must look to be sent (None: the policy's default); `stretch`, how far a draft the estimates
-    chose may run on at the batch size that costs least per token (lookup's long copies)."""
+    the draft must look to be sent (None: the policy's default)."""
 
     rates: list[float]
     margin: float | None = None
-    stretch: int = 0
 
 
 @runtime_checkable

@@ -27,19 +27,6 @@ HISTORY_FIRST = 4
 # How it was chosen: docs/benchmarks.md, "Tuning constants".
 FRESH_FIRST = 7
 FRESH_TRUSTED = 12
-# Until this reply has copied (a lookup token came true continuing a match of at least this many tokens),
-# a shorter match drafts nothing; its proposal is still checked, for free, against what the target emits.
-# How it was chosen: docs/benchmarks.md, "Tuning constants".
-UNCOPIED_MIN = 2
-# Inside a copied span whose match is at least SPAN_LONG tokens, a draft the estimates chose may run to
-# SPAN_FACTOR times the match length, at the cheapest batch size per token (SuffixDecoding sizes drafts
-# by the match length the same way): a long copy tends to go on, which per-position estimates undersell.
-# How it was chosen: docs/benchmarks.md, "Tuning constants".
-SPAN_LONG = 8
-SPAN_FACTOR = 4
-# ... and to at most this many tokens (llama.cpp's ngram-simple drafts 48): past it a batch costs hardly
-# less per token, while a copy that ends early wastes more. (docs/benchmarks.md, "Tuning constants")
-SPAN_MAX = 47
 
 # matched n-gram lengths that share an estimate: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+
 LOOKUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -95,7 +82,6 @@ class LookupAcceptance:
         self.hits = np.zeros(shape)
         self.tries = np.zeros(shape)
         self.after_miss = True  # the run's first lookup token is a fresh match
-        self.copied = False  # whether this reply has copied: a hit continuing a match of UNCOPIED_MIN+ tokens
         # how the earlier occurrences of the current proposal's n-gram went on: it tells about the
         # proposal's first token only, and goes back to SINGLE once that token is checked
         self.agreement = self.SINGLE
@@ -128,7 +114,6 @@ class LookupAcceptance:
         self.hits[h, s, b], self.tries[h, s, b] = hits, tries
         self._table[h][s][b] = (hits + self.PRIOR_WEIGHT * self._prior[h][s][b]) / (tries + self.PRIOR_WEIGHT)
         self.after_miss = not hit
-        self.copied = self.copied or (hit and match >= UNCOPIED_MIN)
         self.agreement = self.SINGLE
 
     def record(self, match: int, accepted: int, tried: int, history: bool = False) -> None:
@@ -480,15 +465,9 @@ class PromptLookup:
         self._match = (match, history)
         if history:  # another conversation's text earns its length in this one (see HISTORY_FIRST)
             n_tokens = min(n_tokens, self.history_earned)
-        elif match < UNCOPIED_MIN and not self.acceptance.copied:
-            return Offer([])  # a chance match in a reply that has copied nothing yet (see UNCOPIED_MIN)
         elif match < FRESH_TRUSTED and self.acceptance.fresh():
             n_tokens = min(n_tokens, FRESH_FIRST)
-        stretch = 0
-        if not history and not self.acceptance.after_miss and match >= SPAN_LONG:
-            # a long copy goes on: as far as SPAN_FACTOR x the match, at the cheapest size per token
-            stretch = min(n_tokens, SPAN_FACTOR * match, SPAN_MAX)
-        return Offer(self.acceptance.rates(match, n_tokens, history), LOOKUP_MARGIN, stretch)
+        return Offer(self.acceptance.rates(match, n_tokens, history), LOOKUP_MARGIN)
 
     def learn(self, draft: Draft | None, sent: int, accepted: int, emitted: Sequence[int]) -> None:
         match, self._match = self._match, None
@@ -529,7 +508,7 @@ class PromptLookup:
             self._shadow = self._shadow[1:] if hit else []
 
     def reply_done(self) -> None:
-        self.acceptance.copied = False  # the next reply shows for itself whether it copies (see UNCOPIED_MIN)
+        pass
 
     def carried(self) -> dict:
         return {}

@@ -277,13 +277,8 @@ class AdaptivePolicy:
     def _price(self, member: Member, offer) -> tuple[int, float]:
         """(tokens to send, expected tokens per second) of the member's offer."""
         margin = DRAFT_MARGIN if offer.margin is None else offer.margin
-        n, rate = best_length(offer.rates, self.verify_cost, member.draft_seconds(len(offer.rates)), self.overhead,
-                              margin, self.rollback)
-        if n and offer.stretch > n:
-            batch = self.verify_cost.cheapest_batch(n + 1, offer.stretch + 1)
-            if batch is not None and self.verify_cost(batch) / batch < self.verify_cost(n + 1) / (n + 1):
-                n = batch - 1
-        return n, rate
+        return best_length(offer.rates, self.verify_cost, member.draft_seconds(len(offer.rates)), self.overhead,
+                           margin, self.rollback)
 
     def _probe_due(self, member: Member, limit: int) -> bool:
         """Whether a member its estimate rules out has been idle long enough for a probe (see PROBE_SHARE)."""

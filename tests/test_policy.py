@@ -319,12 +319,6 @@ def test_a_calibration_timed_the_old_way_is_measured_again(tmp_path):
     assert "version" in json.loads(cache.read_text())[cost_cache_key(backend)]
 
 
-def test_cheapest_batch_per_token():
-    cost = CostModel([1, 8, 16, 24, 48, 64], [0.010, 0.040, 0.065, 0.084, 0.143, 0.200], measured=True)
-    assert cost.cheapest_batch(2, 64) == 48  # 2.98 ms a token, against 3.13 at 64
-    assert cost.cheapest_batch(2, 40) == 24  # only timed sizes are sent
-    assert cost.cheapest_batch(2, 7) is None  # no timed size in between
-
 
 def test_a_measured_cost_model_sends_only_the_sizes_it_timed():
     """On a CPU a batch of 16 can cost less than one of 15 or 17 (whole tiles of rows): with the costs
