@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -204,16 +205,28 @@ def _penalised(
     values = np.empty(0, dtype=logits.dtype)
     if params.has_penalty and len(history):
         window = history if params.repeat_last_n == -1 else history[-params.repeat_last_n :]
-        ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+        if len(window) <= SMALL:
+            # a window of 64 ids: a dict counts it in microseconds where np.unique sorts and allocates
+            # (this runs once per draft position and per verified position)
+            counted = Counter(window) if params.frequency_penalty else dict.fromkeys(window, 1)
+            for t in params.banned:
+                counted.pop(t, None)
+            keys = sorted(counted)
+            ids = np.array(keys, dtype=np.int64)
+            counts = np.array([counted[t] for t in keys], dtype=np.float64) if params.frequency_penalty else 0.0
+        else:
+            ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+            if params.banned:
+                keep = ~np.isin(ids, params.banned_ids)
+                ids, counts = ids[keep], counts[keep]
         hit = logits[ids]
         if params.repeat_penalty != 1.0:
             hit = np.where(hit > 0, hit / params.repeat_penalty, hit * params.repeat_penalty)
         values = (hit - counts * params.frequency_penalty - params.presence_penalty).astype(logits.dtype)
     if params.banned:
         banned = params.banned_ids
-        keep = ~np.isin(ids, banned)
-        ids = np.concatenate([ids[keep], banned])
-        values = np.concatenate([values[keep], np.full(len(banned), -np.inf, dtype=logits.dtype)])
+        ids = np.concatenate([ids, banned])
+        values = np.concatenate([values, np.full(len(banned), -np.inf, dtype=logits.dtype)])
     return (ids, values) if len(ids) else None
 
 
@@ -297,7 +310,8 @@ def _top_candidates(
     n = logits.shape[0]
     touched, values = changed
     raw = top_k_ids(logits, min(n, k + len(touched)))
-    raw = raw[~np.isin(raw, touched)]
+    touched_set = set(touched.tolist())  # a few dozen ids: cheaper than np.isin's sort
+    raw = raw[[i not in touched_set for i in raw.tolist()]] if touched_set else raw
     return np.concatenate([raw, touched]), np.concatenate([logits[raw].astype(np.float64), values.astype(np.float64)])
 
 
