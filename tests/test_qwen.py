@@ -97,47 +97,48 @@ def test_300_tokens_with_rollbacks_on_both_caches(target, draft):
     assert draft.tokens == context[: len(draft.tokens)]  # the draft's cache is a prefix of the conversation
 
 
-def test_the_policy_measures_the_draft_models_cost():
+@pytest.fixture(scope="module")
+def loaded():
+    """The pair as the loader gives it to a command, loaded once for the two tests below."""
+    pair = load(load_config(), Selection(TARGET, DRAFT), LoadOptions(n_ctx=1024, n_threads=2, draft_p_min=0.0))
+    yield pair
+    pair.close()
+
+
+def test_the_policy_measures_the_draft_models_cost(loaded):
     from specchat.paths import cache_dir
     from specchat.costs import cost_cache_key
 
-    config = load_config()
-    loaded = load(config, Selection(TARGET, DRAFT), LoadOptions(n_ctx=1024, n_threads=2))
-    try:
-        policy = make_policy(loaded, 16, None)
-        draft_cost = policy.members[0].draft_cost
-        assert isinstance(policy, AdaptivePolicy) and draft_cost is not None
-        # measured, not assumed: each model timed on its own (no bound on the ratio: that would be a timed
-        # assertion, and a loaded machine moves it; the policy benchmark reports it)
-        assert draft_cost(1) > 0 and draft_cost.seconds != policy.verify_cost.seconds
-        costs = json.loads((cache_dir() / "costs.json").read_text())  # both models timed and cached
-        for backend in (loaded.target, loaded.drafter.backend):
-            entry = costs[cost_cache_key(backend)]
-            assert entry["name"] == backend.name and len(entry["sizes"]) == len(entry["seconds"]) >= 4
-    finally:
-        loaded.close()
+    policy = make_policy(loaded, 16, None)
+    draft_cost = policy.members[0].draft_cost
+    assert isinstance(policy, AdaptivePolicy) and draft_cost is not None
+    # measured, not assumed: each model timed on its own (no bound on the ratio: that would be a timed
+    # assertion, and a loaded machine moves it; the policy benchmark reports it)
+    assert draft_cost(1) > 0 and draft_cost.seconds != policy.verify_cost.seconds
+    costs = json.loads((cache_dir() / "costs.json").read_text())  # both models timed and cached
+    for backend in (loaded.target, loaded.drafter.backend):
+        entry = costs[cost_cache_key(backend)]
+        assert entry["name"] == backend.name and len(entry["sizes"]) == len(entry["seconds"]) >= 4
 
 
-def test_a_two_turn_chat_evaluates_only_the_new_tokens_on_both_models(tmp_path):
-    config = load_config()
-    loaded = load(config, Selection(TARGET, DRAFT), LoadOptions(n_ctx=1024, n_threads=2, draft_p_min=0.0))
-    try:
-        # a fixed k: on this CPU the adaptive policy would not run the draft at all
-        run_opts = RunOptions(Selection(TARGET, DRAFT), LoadOptions(n_ctx=1024), SamplingParams(temperature=0.0),
-                              4, 4, 24)
-        session = quiet_chat_session(loaded, run_opts, tmp_path / "t.jsonl")
-        drafter = loaded.drafter
-        prefilled = count_draft_prefills(drafter)
-        session.handle("Write a one-line Python expression that reverses a string s.")
-        held = session.conversation.ids
-        session.handle("Now do the same for a list.")
-        first, second = session.turn_log
-        message_tokens = len(loaded.target.tokenize("Now do the same for a list.", add_special=False))
-        # the target: only the new message and a few template tokens
-        assert second["prompt_evaluated"] <= message_tokens + 12 < len(held)
-        # the draft: the same, and its cache was rolled back with the target's (no recovery needed)
-        assert len(prefilled) == 2 and prefilled[0] >= first["prompt_tokens"] - 1
-        assert prefilled[1] <= message_tokens + 12 + 4 < len(held)
-        assert loaded.target.rollback_recoveries == 0 and drafter.backend.rollback_recoveries == 0
-    finally:
-        loaded.close()
+def test_a_two_turn_chat_evaluates_only_the_new_tokens_on_both_models(loaded, tmp_path):
+    # a fresh conversation on both caches, whatever ran on the pair before
+    loaded.target.truncate(0)
+    loaded.drafter.backend.truncate(0)
+    # a fixed k: on this CPU the adaptive policy would not run the draft at all
+    run_opts = RunOptions(Selection(TARGET, DRAFT), LoadOptions(n_ctx=1024), SamplingParams(temperature=0.0),
+                          4, 4, 24)
+    session = quiet_chat_session(loaded, run_opts, tmp_path / "t.jsonl")
+    drafter = loaded.drafter
+    prefilled = count_draft_prefills(drafter)
+    session.handle("Write a one-line Python expression that reverses a string s.")
+    held = session.conversation.ids
+    session.handle("Now do the same for a list.")
+    first, second = session.turn_log
+    message_tokens = len(loaded.target.tokenize("Now do the same for a list.", add_special=False))
+    # the target: only the new message and a few template tokens
+    assert second["prompt_evaluated"] <= message_tokens + 12 < len(held)
+    # the draft: the same, and its cache was rolled back with the target's (no recovery needed)
+    assert len(prefilled) == 2 and prefilled[0] >= first["prompt_tokens"] - 1
+    assert prefilled[1] <= message_tokens + 12 + 4 < len(held)
+    assert loaded.target.rollback_recoveries == 0 and drafter.backend.rollback_recoveries == 0
