@@ -271,6 +271,8 @@ def cost_cache_key(backend: Backend) -> str:
     except OSError:
         ident = str(path)
     ident += f"|threads={backend.n_threads}|ngl={backend.n_gpu_layers}"
+    if getattr(backend, "flash_attn_used", None) == "off":  # another attention kernel, other costs
+        ident += "|fa=off"
     ident += getattr(backend, "cost_tag", "")  # a drafting head on the target's own file ("|mtp")
     if backend.rpc:
         # layers on RPC workers cost round trips: calibrated per endpoint set

@@ -134,7 +134,8 @@ def test_gemma_target_refuses_smollm2_draft():
 
 def test_flash_attention_setting_reaches_llama_cpp():
     """-fa: `on` and `off` are different attention kernels (same favourite, logits not identical); two loads with
-    the same setting give identical logits; the default is llama.cpp's `auto`."""
+    the same setting give identical logits; the default `auto` is off on a context that runs on the CPU alone
+    (see backend.flash_attn_for) and llama.cpp's auto where layers are offloaded."""
     path = model_path("smollm2-135m")
 
     def last_row(mode):
@@ -151,9 +152,12 @@ def test_flash_attention_setting_reaches_llama_cpp():
     _, auto_type = last_row("auto")
     import llama_cpp
 
+    from specchat.backend import default_gpu_layers
+
+    auto_expected = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if default_gpu_layers() == 0
+                     else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)
     assert (on_type, off_type, auto_type) == (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                                              llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-                                              llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)
+                                              llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, auto_expected)
     np.testing.assert_array_equal(on, again)
     assert not np.array_equal(on, off)
     # the same model either way: the kernels differ in accumulation (seen here: up to ~0.8 on a logit)
@@ -188,3 +192,28 @@ def test_a_reserved_target_gives_the_same_logits_and_reserves_only_where_it_pays
     assert outputs_to_reserve(path, 1000, 2048, 512) == 256  # llama.cpp's most sequences
     assert outputs_to_reserve(path, 1, 4096, 512) == 1
     assert outputs_to_reserve(model_path("smollm2-135m"), 65, 8192, 512) == 65  # no sliding window
+
+
+def test_auto_flash_attention_is_off_only_for_attention_on_the_cpu_alone():
+    """-fa auto: off for a CPU-only context whose attention scores fit SCORES_MAX; llama.cpp's auto with any
+    layer offloaded, on RPC workers, or where the scores would not fit; on and off as asked. The cost
+    calibration of an `off` context is its own (another kernel, other costs)."""
+    from specchat.backend import SCORES_MAX, flash_attn_for
+    from specchat.costs import cost_cache_key
+    from specchat.gguf_header import gguf_values
+
+    path = model_path("smollm2-135m")
+    n_head = gguf_values(path)[1]["attention.head_count"]
+    assert flash_attn_for(path, "auto", 4096, 512, 0, ()) == "off"
+    assert flash_attn_for(path, "auto", 4096, 512, -1, ()) == "auto"  # on a GPU: llama.cpp's choice
+    assert flash_attn_for(path, "auto", 4096, 512, 0, ("127.0.0.1:50052",)) == "auto"
+    too_long = SCORES_MAX // (512 * n_head * 4) + 1  # a context whose scores pass SCORES_MAX
+    assert flash_attn_for(path, "auto", too_long, 512, 0, ()) == "auto"
+    assert flash_attn_for(path, "on", 4096, 512, 0, ()) == "on" and flash_attn_for(path, "off", 4096, 512, -1, ()) == "off"
+
+    class Timed:  # what cost_cache_key reads of a backend
+        def __init__(self, used):
+            self.path, self.name, self.n_threads, self.n_gpu_layers, self.rpc = path, "m", 2, 0, ()
+            self.flash_attn_used = used
+
+    assert cost_cache_key(Timed("on")) == cost_cache_key(Timed("auto")) != cost_cache_key(Timed("off"))
