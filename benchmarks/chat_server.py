@@ -4,6 +4,7 @@
     python benchmarks/chat_server.py --model gemma-3-270m --set dev
     python benchmarks/chat_server.py --model qwen2.5-coder-1.5b -n 96
     python benchmarks/chat_server.py --server-bin PATH        # an already built llama-server
+    python benchmarks/chat_server.py --also "-fa on"          # a second specchat column with other flags
 
 The conversations are benchmarks/data/chat_conversations.json: a `dev` set (tune there) and an `eval` set
 (held out: report it). Each is a task and follow-ups that rewrite, repeat or update the reply, plus a long
@@ -33,12 +34,14 @@ import argparse
 import json
 import math
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,12 +70,13 @@ def free_port() -> int:
 # -- specchat ---------------------------------------------------------------------------------------
 
 
-def run_specchat(home: Path, model: str, turns: list[str], n: int, threads: int, ctx: int) -> list[dict]:
+def run_specchat(home: Path, model: str, turns: list[str], n: int, threads: int, ctx: int,
+                 flags: Sequence[str] = ()) -> list[dict]:
     """One `specchat chat` process over the turns; per turn: tok/s, drafted, accepted, the reply."""
     transcripts = home / "share" / "transcripts"
     before = set(transcripts.glob("*.jsonl")) if transcripts.exists() else set()
     args = [sys.executable, "-m", "specchat.cli", "chat", "-m", model, "--temp", "0", "-n", str(n), "--ignore-eos",
-            "-t", str(threads), "-c", str(ctx), "--no-color"]
+            "-t", str(threads), "-c", str(ctx), "--no-color", *flags]
     env = {**os.environ, "SPECCHAT_HOME": str(home), "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
     out = subprocess.run(args, input="\n".join(turns) + "\n", capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=1800)
@@ -168,6 +172,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--server-bin", type=Path, default=None, help="llama-server (default: build it once)")
     ap.add_argument("--reps", type=int, default=1, help="runs of each conversation in each setting; tok/s is their median")
+    ap.add_argument("--also", default=None, metavar="FLAGS",
+                    help="a second specchat column with these flags (e.g. \"-fa on\"), run beside the default")
     a = ap.parse_args()
     for name in ("n", "threads", "ctx", "reps"):
         if getattr(a, name) < 1:
@@ -183,30 +189,37 @@ def main() -> None:
         ap.error(f"--server-bin {binary}: no such file")
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
+        also = shlex.split(a.also) if a.also else None
         run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx)  # the first chat calibrates
+        if also is not None:
+            run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx, also)
         servers = [Server(binary, path, t, a.threads, a.ctx) for t in SERVER_TYPES]
         try:
             for server in servers:  # warm-up: the first request of a process builds its graphs
                 server.chat([{"role": "user", "content": "Hello"}], 8)
             rows = []
             for convo in conversations:
-                ours_runs, theirs_runs = [], []
+                ours_runs, also_runs, theirs_runs = [], [], []
                 for _ in range(a.reps):
                     ours_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx))
+                    if also is not None:
+                        also_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx, also))
                     theirs_runs.append({s.spec_type: s.conversation(convo["turns"], a.n) for s in servers})
                 for i in range(len(convo["turns"])):
                     ours = median_run([run[i] for run in ours_runs])
                     theirs = {t: median_run([run[t][i] for run in theirs_runs]) for t in SERVER_TYPES}
-                    rows.append((convo["name"], i, ours, theirs))
+                    second = median_run([run[i] for run in also_runs]) if also_runs else None
+                    rows.append((convo["name"], i, ours, theirs, second))
         finally:
             for server in servers:
                 server.close()
     print(f"# specchat chat vs llama-server · {a.model} · {a.set} set ({len(conversations)} conversations, "
           f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads · median of {a.reps}")
     head = f"{'conversation':<14}{'turn':>5}{'specchat':>10}{'acc':>6}" + "".join(f"{t:>15}" for t in SERVER_TYPES)
-    print(head + f"{'best server':>16}{'ratio':>8}")
+    print(head + f"{'best server':>16}{'ratio':>8}" + (f"   {a.also}{'ratio':>8}" if also is not None else ""))
     firsts, laters, worst = [], [], (float("inf"), "")
-    for name, i, ours, theirs in rows:
+    also_firsts, also_laters = [], []
+    for name, i, ours, theirs, second in rows:
         best = max(SERVER_TYPES, key=lambda t: theirs[t]["tps"])
         ratio = ours["tps"] / theirs[best]["tps"]
         (firsts if i == 0 else laters).append(ratio)
@@ -215,12 +228,20 @@ def main() -> None:
         cells = "".join(f"{theirs[t]['tps']:>15.1f}" for t in SERVER_TYPES)
         short = " (n " + ", ".join(f"{t} {theirs[t]['n']}" for t in SERVER_TYPES if theirs[t]["n"] != a.n) + ")" \
             if any(theirs[t]["n"] != a.n for t in SERVER_TYPES) or ours["n"] != a.n else ""
-        print(f"{name:<14}{i + 1:>5}{ours['tps']:>10.1f}{acc:>6}{cells}{best:>16}{ratio:>7.2f}x{short}")
-    plain = [ours["tps"] / theirs["none"]["tps"] for _, _, ours, theirs in rows]
+        extra = ""
+        if second is not None:
+            (also_firsts if i == 0 else also_laters).append(second["tps"] / theirs[best]["tps"])
+            extra = f"{second['tps']:>{len(a.also) + 3}.1f}{second['tps'] / theirs[best]['tps']:>7.2f}x"
+        print(f"{name:<14}{i + 1:>5}{ours['tps']:>10.1f}{acc:>6}{cells}{best:>16}{ratio:>7.2f}x{extra}{short}")
+    plain = [ours["tps"] / theirs["none"]["tps"] for _, _, ours, theirs, _ in rows]
     print(f"specchat / best llama-server, geomean: first turns {geomean(firsts):.2f}x (worst "
           f"{min(firsts):.2f}x), later turns {geomean(laters):.2f}x (worst {min(laters, default=float('nan')):.2f}x); "
           f"worst turn {worst[0]:.2f}x ({worst[1]})")
     print(f"specchat / plain llama-server (no drafting), geomean over all turns: {geomean(plain):.2f}x")
+    if also is not None:
+        print(f"specchat {a.also} / best llama-server, geomean: first turns {geomean(also_firsts):.2f}x (worst "
+              f"{min(also_firsts):.2f}x), later turns {geomean(also_laters):.2f}x (worst "
+              f"{min(also_laters, default=float('nan')):.2f}x)")
 
 
 if __name__ == "__main__":
