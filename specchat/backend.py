@@ -168,7 +168,7 @@ FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
 SCORES_MAX = 256 * 2**20  # bytes of attention scores a CPU context may hold to run without flash attention
 
 
-def flash_attn_for(path: Path, flash_attn: str, n_ctx: int, n_batch: int, n_gpu_layers: int, rpc: Sequence[str]) -> str:
+def flash_attn_for(path: Path, flash_attn: str, n_ctx: int, n_batch: int, cpu_alone: bool) -> str:
     """What `-fa auto` means for a context: llama.cpp's auto (on wherever the device supports it) with any
     layer off the CPU, and off on a context that runs on the CPU alone.
 
@@ -178,8 +178,9 @@ def flash_attn_for(path: Path, flash_attn: str, n_ctx: int, n_batch: int, n_gpu_
     with it and 54-69 ms without, one token in 19-20 ms and 14-16.5; Qwen2.5-Coder-1.5B 12-16% less without;
     gemma-3-270m (most layers attend over a 512-token window) the same either way; at 100-200 tokens of
     context all three the same, prompt processing too. The plain path holds the scores of a whole batch
-    against the whole context (n_ctx x n_batch x heads floats): where that passes SCORES_MAX, auto stays on."""
-    if flash_attn != "auto" or n_gpu_layers != 0 or rpc:
+    against the whole context (n_ctx x n_batch x heads floats): where that passes SCORES_MAX, auto stays on.
+    `cpu_alone`: no layer offloaded, to a GPU here or an RPC worker (see cpu_alone)."""
+    if flash_attn != "auto" or not cpu_alone:
         return flash_attn
     arch, values = gguf_values(path)
     n_head = values.get("attention.head_count", 0)
@@ -187,6 +188,12 @@ def flash_attn_for(path: Path, flash_attn: str, n_ctx: int, n_batch: int, n_gpu_
     if arch is None or n_head == 0 or arch_memory(arch) == "recurrent":  # no attention to choose for
         return flash_attn
     return "off" if n_ctx * min(n_batch, n_ctx) * n_head * 4 <= SCORES_MAX else flash_attn
+
+
+def cpu_alone(n_gpu_layers: int, rpc: Sequence[str]) -> bool:
+    """Whether a model runs on this machine's CPU alone. Not `llama_supports_gpu_offload()`: a build with
+    the RPC backend says yes to that on a machine without a GPU (and -ngl -1 then offloads nothing)."""
+    return not rpc and (n_gpu_layers == 0 or not rpc_workers.local_gpu_devices())
 
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's most sequences a context may have (src/llama-cparams.h)
@@ -274,7 +281,7 @@ class LlamaCppBackend:
         self.outputs = outputs
         self.reserved_outputs = outputs_to_reserve(path, outputs, n_ctx, n_batch, swa_full)
         # what -fa auto means here (see flash_attn_for); `flash_attn` stays what was asked, for a reload elsewhere
-        self.flash_attn_used = flash_attn_for(path, flash_attn, n_ctx, n_batch, n_gpu_layers, self.rpc)
+        self.flash_attn_used = flash_attn_for(path, flash_attn, n_ctx, n_batch, cpu_alone(n_gpu_layers, self.rpc))
         started = time.perf_counter()
         try:
             with (compat.model_devices(devices),

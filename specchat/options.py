@@ -134,7 +134,7 @@ Threads = Annotated[
 ]
 FlashAttn = Annotated[
     str,
-    typer.Option("-fa", "--flash-attn", help="Flash attention: on, off, or auto (on where every layer's device supports it; llama.cpp's default).", rich_help_panel=HARDWARE),
+    typer.Option("-fa", "--flash-attn", help="Flash attention: on, off, or auto (llama.cpp's choice where layers run on a GPU or an RPC worker; off on the CPU alone, where it slows verify batches).", rich_help_panel=HARDWARE),
 ]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colour (also when NO_COLOR is set).", rich_help_panel=OUTPUT)]
 IgnoreEos = Annotated[

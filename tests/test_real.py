@@ -152,9 +152,9 @@ def test_flash_attention_setting_reaches_llama_cpp():
     _, auto_type = last_row("auto")
     import llama_cpp
 
-    from specchat.backend import default_gpu_layers
+    from specchat.backend import cpu_alone, default_gpu_layers
 
-    auto_expected = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if default_gpu_layers() == 0
+    auto_expected = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if cpu_alone(default_gpu_layers(), ())
                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)
     assert (on_type, off_type, auto_type) == (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                                               llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, auto_expected)
@@ -198,18 +198,22 @@ def test_auto_flash_attention_is_off_only_for_attention_on_the_cpu_alone():
     """-fa auto: off for a CPU-only context whose attention scores fit SCORES_MAX; llama.cpp's auto with any
     layer offloaded, on RPC workers, or where the scores would not fit; on and off as asked. The cost
     calibration of an `off` context is its own (another kernel, other costs)."""
-    from specchat.backend import SCORES_MAX, flash_attn_for
+    from specchat import rpc
+    from specchat.backend import SCORES_MAX, cpu_alone, flash_attn_for
     from specchat.costs import cost_cache_key
     from specchat.gguf_header import gguf_values
 
     path = model_path("smollm2-135m")
     n_head = gguf_values(path)[1]["attention.head_count"]
-    assert flash_attn_for(path, "auto", 4096, 512, 0, ()) == "off"
-    assert flash_attn_for(path, "auto", 4096, 512, -1, ()) == "auto"  # on a GPU: llama.cpp's choice
-    assert flash_attn_for(path, "auto", 4096, 512, 0, ("127.0.0.1:50052",)) == "auto"
+    assert flash_attn_for(path, "auto", 4096, 512, True) == "off"
+    assert flash_attn_for(path, "auto", 4096, 512, False) == "auto"  # layers on a GPU or a worker: llama.cpp's choice
     too_long = SCORES_MAX // (512 * n_head * 4) + 1  # a context whose scores pass SCORES_MAX
-    assert flash_attn_for(path, "auto", too_long, 512, 0, ()) == "auto"
-    assert flash_attn_for(path, "on", 4096, 512, 0, ()) == "on" and flash_attn_for(path, "off", 4096, 512, -1, ()) == "off"
+    assert flash_attn_for(path, "auto", too_long, 512, True) == "auto"
+    assert flash_attn_for(path, "on", 4096, 512, True) == "on" and flash_attn_for(path, "off", 4096, 512, False) == "off"
+    # what counts as the CPU alone: -ngl 0, or no GPU here (a build with RPC offers offload without one);
+    # never with RPC workers
+    assert cpu_alone(0, ()) and not cpu_alone(0, ("127.0.0.1:50052",)) and not cpu_alone(-1, ("127.0.0.1:50052",))
+    assert cpu_alone(-1, ()) == (not rpc.local_gpu_devices())
 
     class Timed:  # what cost_cache_key reads of a backend
         def __init__(self, used):
