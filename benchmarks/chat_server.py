@@ -5,6 +5,7 @@
     python benchmarks/chat_server.py --model qwen2.5-coder-1.5b -n 96
     python benchmarks/chat_server.py --server-bin PATH        # an already built llama-server
     python benchmarks/chat_server.py --also "-fa on"          # a second specchat column with other flags
+    python benchmarks/chat_server.py --server-flags "-fa off" # every llama-server with these flags too
 
 The conversations are benchmarks/data/chat_conversations.json: a `dev` set (tune there) and an `eval` set
 (held out: report it). Each is a task and follow-ups that rewrite, repeat or update the reply, plus a long
@@ -96,13 +97,14 @@ def run_specchat(home: Path, model: str, turns: list[str], n: int, threads: int,
 
 
 class Server:
-    def __init__(self, binary: Path, model: Path, spec_type: str, threads: int, ctx: int):
+    def __init__(self, binary: Path, model: Path, spec_type: str, threads: int, ctx: int, flags: Sequence[str] = ()):
         self.spec_type = spec_type
         self.port = free_port()
         args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
                 "-t", str(threads), "-tb", str(threads), "-ngl", "0", "-np", "1"]
         if spec_type != "none":
             args += ["--spec-type", spec_type]
+        args += list(flags)
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -172,6 +174,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--server-bin", type=Path, default=None, help="llama-server (default: build it once)")
     ap.add_argument("--reps", type=int, default=1, help="runs of each conversation in each setting; tok/s is their median")
+    ap.add_argument("--server-flags", default="", metavar="FLAGS",
+                    help="more llama-server flags for every server (e.g. \"-fa off\")")
     ap.add_argument("--also", default=None, metavar="FLAGS",
                     help="a second specchat column with these flags (e.g. \"-fa on\"), run beside the default")
     a = ap.parse_args()
@@ -193,7 +197,7 @@ def main() -> None:
         run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx)  # the first chat calibrates
         if also is not None:
             run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx, also)
-        servers = [Server(binary, path, t, a.threads, a.ctx) for t in SERVER_TYPES]
+        servers = [Server(binary, path, t, a.threads, a.ctx, shlex.split(a.server_flags)) for t in SERVER_TYPES]
         try:
             for server in servers:  # warm-up: the first request of a process builds its graphs
                 server.chat([{"role": "user", "content": "Hello"}], 8)
@@ -214,7 +218,8 @@ def main() -> None:
             for server in servers:
                 server.close()
     print(f"# specchat chat vs llama-server · {a.model} · {a.set} set ({len(conversations)} conversations, "
-          f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads · median of {a.reps}")
+          f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads · median of {a.reps}"
+          + (f" · llama-server {a.server_flags}" if a.server_flags else ""))
     head = f"{'conversation':<14}{'turn':>5}{'specchat':>10}{'acc':>6}" + "".join(f"{t:>15}" for t in SERVER_TYPES)
     print(head + f"{'best server':>16}{'ratio':>8}" + (f"   {a.also}{'ratio':>8}" if also is not None else ""))
     firsts, laters, worst = [], [], (float("inf"), "")
