@@ -46,6 +46,7 @@ def self_draft(name):
 @pytest.mark.parametrize("drafter_kind", ["prompt-lookup", "self-pair"])
 def test_greedy_speculation_is_the_targets_greedy_choice(target, self_draft, drafter_kind):
     drafter = PromptLookup(1, 4) if drafter_kind == "prompt-lookup" else DraftModel.checked(self_draft, target, p_min=0.0)
+    accepted = drafted = 0
     for text in PROMPTS:
         prompt_ids = prompt_ids_for(target, text)
         finished, tokens = run(target, drafter, prompt_ids, GREEDY, k=6)
@@ -53,10 +54,15 @@ def test_greedy_speculation_is_the_targets_greedy_choice(target, self_draft, dra
         gaps = teacher_forced_gaps(target, prompt_ids, finished.token_ids)
         assert gaps.max() <= TOLERANCE, f"token {int(gaps.argmax())} is {gaps.max():.3f} below the best logit"
         if drafter_kind == "self-pair":
-            # the same model drafting greedily for itself: near-total acceptance is the point of the test
-            assert finished.stats.acceptance_rate > 0.8
+            # the same model drafting greedily for itself: near-total acceptance is the point of the test.
+            # A batch's logits differ slightly from a single token's, so a near-tie may flip once in a reply
+            # (one rejected draft of 6 in a 20-token reply is 75% acceptance)
+            assert sum(e.source == "resampled" for e in tokens) <= 1
             assert {"accepted", "bonus"} <= {e.source for e in tokens}
+            accepted, drafted = accepted + finished.stats.accepted, drafted + finished.stats.drafted
         assert finished.stats.rollback_recoveries == 0
+    if drafter_kind == "self-pair":
+        assert accepted > 0.8 * drafted
 
 
 def test_teacher_forced_check_catches_a_wrong_token(target):
