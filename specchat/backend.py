@@ -175,9 +175,9 @@ def flash_attn_for(path: Path, flash_attn: str, n_ctx: int, n_batch: int, cpu_al
     llama.cpp's CPU flash-attention kernel reads the whole KV cache once per query row, where the plain
     path's matrix product reads it once per batch, so a verify batch costs more with it the longer the
     conversation. 2 cores, 1800 tokens of context, medians of 8: SmolLM2-135M verified 8 tokens in 110-125 ms
-    with it and 54-69 ms without, one token in 19-20 ms and 14-16.5; Qwen2.5-Coder-1.5B 12-16% less without;
+    with it and 54-69 ms without, one token in 19-20 ms and 14-16.5; Qwen2.5-Coder-1.5B 5-16% less without;
     gemma-3-270m (most layers attend over a 512-token window) the same either way; at 100-200 tokens of
-    context all three the same, prompt processing too. The plain path holds the scores of a whole batch
+    context all three about the same, prompt processing too (benchmarks/flash_attn.py). The plain path holds the scores of a whole batch
     against the whole context (n_ctx x n_batch x heads floats): where that passes SCORES_MAX, auto stays on.
     `cpu_alone`: no layer offloaded, to a GPU here or an RPC worker (see cpu_alone)."""
     if flash_attn != "auto" or not cpu_alone:

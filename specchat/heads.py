@@ -32,7 +32,7 @@ def _head_context_params(lib, target: LlamaCppBackend, ctx_type: int):
     params.ctx_type = ctx_type
     params.ctx_other = target.llm.ctx  # the target's context: its weights, memory or embeddings
     params.n_rs_seq = 0
-    params.flash_attn_type = {"auto": -1, "on": 1, "off": 0}[getattr(target, "flash_attn_used", target.flash_attn)]
+    params.flash_attn_type = {"auto": -1, "on": 1, "off": 0}[target.flash_attn_used]
     return params
 
 
