@@ -153,13 +153,16 @@ class Acceptance:
     tries: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITION))
 
     def rates(self, n: int) -> np.ndarray:
-        per_position = (self.hits + self.prior_hits) / (self.tries + self.prior_tries)
-        # A position never reached yet borrows the estimate of the one before it: along a copied span
-        # acceptance stays about flat, and falling back to the prior would cap drafts at what has been seen.
-        seen = self.tries >= 0.5
-        for i in range(1, MAX_POSITION):
-            if not seen[i] and seen[:i].any():
-                per_position[i] = per_position[i - 1]
+        # Each position's prior is the estimate of the position before it (the first's: the fixed prior):
+        # conditional acceptance stays about flat along a draft, so a position tried a few times is pulled
+        # towards its neighbour, not back to the prior. Pulled to the prior instead, a position reached now
+        # and then (0.6 decayed tries at position 2 of a DSpark draft kept at 97% on positions 0-1) read 0.72,
+        # and the drafts never grew past the lengths already tried.
+        per_position = np.empty(MAX_POSITION)
+        mean, weight = self.prior_hits / self.prior_tries, self.prior_tries
+        hits, tries = self.hits.tolist(), self.tries.tolist()
+        for i in range(MAX_POSITION):
+            mean = per_position[i] = (hits[i] + weight * mean) / (tries[i] + weight)
         return per_position[np.minimum(np.arange(n), MAX_POSITION - 1)]
 
     def record(self, accepted: int, tried: int) -> None:

@@ -490,6 +490,21 @@ def test_a_draft_models_estimates_are_conditional_on_the_drafts_before_them():
     assert best_length(acceptance.rates(8), GPU)[0] == 8  # nearly free verification: the whole draft
 
 
+def test_a_position_seldom_reached_leans_on_the_one_before_it_not_on_the_prior():
+    """Drafts of 2 kept at 97%, now and then one of 3: the third position's few tries must not read as the
+    prior's 2/3 (the drafts would then never grow past 2), and a position never reached reads its
+    neighbour's estimate. Enough evidence still moves a position off its neighbour."""
+    acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
+    for step in range(200):
+        acceptance.record(*((3, 3) if step % 50 == 0 else (2, 2)))
+    rates = acceptance.rates(8)
+    assert rates[0] > 0.95 and rates[1] > 0.95
+    assert rates[2] > 0.9 and rates[3] == pytest.approx(rates[2]) and rates[7] == pytest.approx(rates[2])
+    for _ in range(100):
+        acceptance.record(2, 3)  # the third is now wrong every time
+    assert acceptance.rates(8)[2] < 0.1 and acceptance.rates(8)[1] > 0.95
+
+
 def test_a_draft_after_idle_steps_teaches_no_cost_and_one_after_a_draft_does():
     """A draft after idle steps also caught the drafter up on every token since its last one: taken for the
     draft's price, each probe after PROBE_AFTER idle steps made the drafter dearer, and it was never asked."""
