@@ -43,6 +43,11 @@ DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long looku
 PROBE_AFTER = 32
 PROBE_TOKENS = 2
 PROBE_SHARE = 0.03
+# A drafter whose probes kept nothing this many times in a row is given up for the process: suspended (a
+# block drafter or a head no longer has the target extract its layer rows) and never caught up again. Kept
+# ready, a hopeless DFlash draft for another target cost 8-11% of a tiny target's time (its features
+# captured on every verify, each probe injecting every token since the last). A new process probes again.
+PROBE_GIVE_UP = 3
 
 
 @runtime_checkable
@@ -176,6 +181,8 @@ class Member:
     store: AcceptanceStore | None = None
     possible: bool = True
     idle: int = 0  # steps since it last drafted (a drafter whose tokens cost time; see PROBE_AFTER)
+    failed_probes: int = 0  # drafts after idle steps that kept nothing, in a row (see PROBE_GIVE_UP)
+    given_up: bool = False
     proposed: bool = False  # whether it proposed anything this generation (free drafters)
 
     @property
@@ -267,6 +274,8 @@ class AdaptivePolicy:
 
     def _could_pay(self, member: Member) -> bool:
         """Whether a draft of this member could beat plain decoding even if it were always right."""
+        if member.given_up:
+            return False
         if member.draft_cost is None:
             return True
         n_max = max(1, self.draft_max)
@@ -341,6 +350,12 @@ class AdaptivePolicy:
             if member.free:
                 continue
             caught_up, member.idle = member.idle > 0, 0 if mine else member.idle + 1
+            if mine and caught_up:  # a probe, or a draft the estimates brought back
+                member.failed_probes = 0 if accepted else member.failed_probes + 1
+                if member.failed_probes >= PROBE_GIVE_UP:
+                    member.given_up = True
+                    self._judge(member)
+                    continue
             # A draft after idle steps also caught the drafter up on every token since its last (a draft
             # model's batch, a head's rows, a block drafter's injections): priced as the draft, one probe
             # after 32 idle steps made a drafter look several times dearer, and it was never asked again.
@@ -382,6 +397,8 @@ class AdaptivePolicy:
             if not member.proposed:
                 return f"{member.label} found nothing to propose"
             return f"{member.label}'s proposals were too short to pay for {verify4}"
+        if member.given_up:
+            return f"{member.label} kept nothing in {PROBE_GIVE_UP} probes in a row: given up for this run"
         if not member.possible:
             drafting = member.draft_seconds(1)
             per_token = drafting[1] / self.verify_cost(1) if drafting else 0.0

@@ -18,7 +18,8 @@ from specchat.costs import (
     cost_cache_key,
 )
 from specchat.lookup import LOOKUP_BUCKETS, LOOKUP_MARGIN, PromptLookup
-from specchat.policy import DRAFT_MARGIN, PROBE_AFTER, PROBE_TOKENS, AdaptivePolicy, FixedPolicy, best_length
+from specchat.policy import (DRAFT_MARGIN, PROBE_AFTER, PROBE_GIVE_UP, PROBE_TOKENS, AdaptivePolicy, FixedPolicy,
+                             best_length)
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
 
@@ -167,6 +168,38 @@ def test_cheap_draft_model_is_used_while_it_is_accepted_and_dropped_when_not():
     assert plans[dropped : dropped + PROBE_AFTER] == [0] * PROBE_AFTER
     assert plans[dropped + PROBE_AFTER] == PROBE_TOKENS
     assert sent(policy, drafter, limit=0) == 0
+
+
+def test_a_drafter_whose_probes_keep_nothing_is_given_up_and_suspended():
+    """Probes that keep nothing PROBE_GIVE_UP times in a row: the drafter is given up for the run and
+    suspended (a block drafter then stops having the target's layer rows extracted), and the note says why.
+    A probe that keeps a token starts the count again."""
+
+    def probes(kept_by_probe: dict[int, int]):
+        policy, drafter = modelled(GPU, CostModel([1, 2], [0.002, 0.004]))
+        suspended = []
+        drafter.suspend = suspended.append
+        plans = []
+        for _ in range(30 * PROBE_AFTER):
+            plans.append(sent(policy, drafter, limit=8))
+            dropped = 0 in plans
+            probe = len([n for n in plans[plans.index(0):] if n]) if dropped else 0
+            kept = kept_by_probe.get(probe, 0) if plans[-1] and dropped else 0
+            policy.observe(step(plans[-1], kept), [9])
+        dropped = plans.index(0)
+        return policy, suspended, [i for i, n in enumerate(plans) if n and i > dropped]
+
+    policy, suspended, sent_at = probes({})
+    assert len(sent_at) == PROBE_GIVE_UP and sent_at[-1] < 10 * PROBE_AFTER  # then never again
+    member = policy.members[0]
+    assert member.given_up and not member.possible and suspended[-1] is True
+    policy.finish()
+    assert all(sent(policy, drafter=member.drafter) == 0 for _ in range(3))
+    for _ in range(3):
+        policy.observe(step(0, 0), [9])
+    assert "given up" in policy.decline_note()
+    policy, suspended, sent_at = probes({2: 1})  # the second probe keeps one: the count starts again
+    assert len(sent_at) >= PROBE_GIVE_UP + 2 and policy.members[0].given_up and suspended[-1] is True
 
 
 def test_lookup_trim_learns_from_real_verifications():
