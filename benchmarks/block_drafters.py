@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="runs of each row; tok/s is their median")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default=None,
+                    help="-fa for both tools (default: each its own: specchat's auto is off on the CPU alone, "
+                         "llama.cpp's is on): the same kernel on both sides")
     a = ap.parse_args()
     for name in ("n", "reps", "threads", "prompt_tokens"):
         if getattr(a, name) < 1:
@@ -70,23 +73,24 @@ def main() -> None:
         prompt = own_text(target, a.prompt_tokens // 2)
         home = work / "home"
         rows = settings(tiny_models.DFLASH_BLOCK)
+        fa = ("-fa", a.flash_attn) if a.flash_attn else ()
         for which, draft in drafts.items():  # calibrate the target and each draft once (untimed)
             run_specchat(home, target, draft, prompt, "draft-dspark" if which == "dspark" else "draft-dflash", True,
-                         16, a.threads)
+                         16, a.threads, fa)
         runs: dict[str, dict[str, list[dict]]] = {label: {"ours": [], "theirs": []} for label, *_ in rows}
         for _ in range(a.reps):
             for label, which, spec_type, ours, theirs in rows:
                 draft = drafts.get(which, target)
                 runs[label]["ours"].append(run_specchat(home, target, draft, prompt, spec_type, which is not None,
-                                                        a.n, a.threads, ours))
+                                                        a.n, a.threads, (*ours, *fa)))
                 if spec_type is not None:
-                    result = run_llamacpp(binary, target, draft, prompt, spec_type, True, a.n, a.threads, theirs)
+                    result = run_llamacpp(binary, target, draft, prompt, spec_type, True, a.n, a.threads, (*theirs, *fa))
                     if result.get("error"):
                         raise SystemExit(f"llama.cpp cannot run {label}: {result['error']}")
                     runs[label]["theirs"].append(result)
         print(f"# block drafters · tiny llama target (n_embd {tiny_models.dflash_target_width()}) + DFlash / DSpark "
               f"drafts (block {tiny_models.DFLASH_BLOCK}) · greedy · {a.n} tokens · {a.threads} threads · median of "
-              f"{a.reps} · prompt: the target's own text")
+              f"{a.reps} · prompt: the target's own text · -fa {a.flash_attn or 'each tool its own default'}")
         print(f"{'setting':<48}{'specchat':>10}{'acc':>6}{'llama.cpp':>11}{'acc':>6}{'ratio':>7}")
         reference = runs["target only"]["ours"][0]["tokens"]
         plain = statistics.median(r["tps"] for r in runs["target only"]["ours"])
