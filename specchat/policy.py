@@ -38,8 +38,8 @@ DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long looku
 # A drafter whose tokens cost time and that has not drafted for this many steps gets one short draft
 # anyway (PROBE_TOKENS, priced as any draft in the stats): an estimate that rules a drafter out is never
 # corrected otherwise (an MTP head measured at 94-100% acceptance was asked in 0 of 96 steps). A probe
-# that would cost more than PROBE_SHARE of the idle steps' time, should it all be wasted (a recurrent
-# target's 200 ms checkpoints against 20 ms steps), waits that much longer.
+# whose expected loss (its cost less the steps its expected kept tokens save) is more than PROBE_SHARE of
+# the idle steps' time (a recurrent target's 200 ms checkpoints against 20 ms steps) waits that much longer.
 PROBE_AFTER = 32
 PROBE_TOKENS = 2
 PROBE_SHARE = 0.03
@@ -295,8 +295,17 @@ class AdaptivePolicy:
             return False
         n = min(PROBE_TOKENS, limit)
         drafting = member.draft_seconds(n)
-        waste = self.verify_cost(n + 1) - self.verify_cost(1) + (drafting[n] if drafting else 0.0) + self.rollback
-        return waste <= PROBE_SHARE * member.idle * self.verify_cost(1)
+        one = self.verify_cost(1)
+        cost = self.verify_cost(n + 1) - one + (drafting[n] if drafting else 0.0) + self.rollback
+        # what it is expected to lose: its cost less the steps its tokens save, by the member's own estimates.
+        # A drafter just below paying (a DSpark draft at 79% whose block costs a step) probes about twice as
+        # often as one that keeps nothing, and its estimates climb past the bar in half the tokens.
+        a = member.drafter.offer(None, n).rates
+        kept, run = 0.0, 1.0
+        for rate in a[:n]:
+            run *= rate
+            kept += run
+        return max(cost - kept * one, 0.0) <= PROBE_SHARE * member.idle * one
 
     def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> Draft:

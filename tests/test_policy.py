@@ -202,6 +202,27 @@ def test_a_drafter_whose_probes_keep_nothing_is_given_up_and_suspended():
     assert len(sent_at) >= PROBE_GIVE_UP + 2 and policy.members[0].given_up and suspended[-1] is True
 
 
+def test_a_drafter_just_below_paying_is_probed_sooner_than_one_that_keeps_nothing():
+    """A probe waits until its expected loss (its cost less the steps its expected kept tokens save) is
+    PROBE_SHARE of the idle steps' time: on a CPU, a drafter estimated at 60% (not worth a draft here) is
+    probed after PROBE_AFTER idle steps, one estimated at 0% only after its whole cost is covered."""
+
+    def first_probe(rate: float) -> int:
+        policy, drafter = modelled(CPU, CostModel([1, 2], [0.004, 0.008]))
+        drafter.acceptance.hits[:] = 1000 * rate
+        drafter.acceptance.tries[:] = 1000
+        for idle in range(1, 200):
+            n = sent(policy, drafter, limit=8)
+            if n:
+                assert n == PROBE_TOKENS
+                return idle
+            policy.observe(step(0, 0), [9])
+        return 0
+
+    assert first_probe(0.6) == PROBE_AFTER + 1
+    assert first_probe(0.0) > 1.5 * PROBE_AFTER
+
+
 def test_lookup_trim_learns_from_real_verifications():
     lookup = SetLookup()
     policy = AdaptivePolicy(lookup, CPU, draft_max=16)
