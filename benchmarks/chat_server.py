@@ -62,6 +62,16 @@ def model_file(name: str) -> Path:
     return resolve(load_config().model(name), download=False)
 
 
+def has_chat_template(path: Path) -> bool:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        return bool(llm.metadata.get("tokenizer.chat_template"))
+    finally:
+        llm.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -220,6 +230,10 @@ def main() -> None:
     print(f"# specchat chat vs llama-server · {a.model} · {a.set} set ({len(conversations)} conversations, "
           f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads · median of {a.reps}"
           + (f" · llama-server {a.server_flags}" if a.server_flags else ""))
+    if not has_chat_template(path):
+        print(f"# {a.model} has no chat template: specchat writes a User:/Assistant: transcript that ends a reply at "
+              "'\\nUser:', llama-server its own default template without that stop; the prompts and reply lengths "
+              "differ (n), so these rows are not like for like")
     head = f"{'conversation':<14}{'turn':>5}{'specchat':>10}{'acc':>6}" + "".join(f"{t:>15}" for t in SERVER_TYPES)
     print(head + f"{'best server':>16}{'ratio':>8}" + (f"   {a.also}{'ratio':>8}" if also is not None else ""))
     firsts, laters, worst = [], [], (float("inf"), "")
