@@ -297,15 +297,17 @@ class AdaptivePolicy:
         drafting = member.draft_seconds(n)
         one = self.verify_cost(1)
         cost = self.verify_cost(n + 1) - one + (drafting[n] if drafting else 0.0) + self.rollback
+        budget = PROBE_SHARE * member.idle * one
+        if cost <= budget:
+            return True
         # what it is expected to lose: its cost less the steps its tokens save, by the member's own estimates.
         # A drafter just below paying (a DSpark draft at 79% whose block costs a step) probes about twice as
         # often as one that keeps nothing, and its estimates climb past the bar in half the tokens.
-        a = member.drafter.offer(None, n).rates
         kept, run = 0.0, 1.0
-        for rate in a[:n]:
+        for rate in member.drafter.offer(None, n).rates[:n]:
             run *= rate
             kept += run
-        return max(cost - kept * one, 0.0) <= PROBE_SHARE * member.idle * one
+        return cost - kept * one <= budget
 
     def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> Draft:
