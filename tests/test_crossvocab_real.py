@@ -32,10 +32,8 @@ PROMPTS = {
         "Write a short paragraph about the history of Paris.",
         "List the days of the week, one per line.",
     ],
-    "qwen2.5-coder-1.5b": [
-        "Write a Python function `is_palindrome(s)` that ignores case and punctuation.",
-        "Explain in two sentences what a Python dictionary is.",
-    ],
+    # one prompt: a 1.5B target is the suite's dearest model on 2 cores
+    "qwen2.5-coder-1.5b": ["Write a Python function `is_palindrome(s)` that ignores case and punctuation."],
 }
 
 
@@ -87,9 +85,9 @@ def test_a_seed_reproduces_a_sampled_tli_run(target, draft):
     params = SamplingParams(temperature=0.8, seed=4321)
     assert drafter.rule_for(params) == "tli"
     prompt_ids = prompt_ids_for(target, PROMPTS[target.name][0])
-    first, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=24)
-    second, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=24)
-    other, _ = run(target, drafter, prompt_ids, SamplingParams(temperature=0.8, seed=99), k=4, max_tokens=24)
+    first, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=16)
+    second, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=16)
+    other, _ = run(target, drafter, prompt_ids, SamplingParams(temperature=0.8, seed=99), k=4, max_tokens=16)
     assert first.token_ids == second.token_ids and first.text == second.text
     assert other.token_ids != first.token_ids
     assert first.stats.drafted > 0

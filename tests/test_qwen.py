@@ -58,7 +58,7 @@ def test_the_pair_is_compatible_by_llama_cpps_rule(target, draft):
 def test_greedy_with_the_real_draft_is_the_targets_choice(target, draft):
     drafter = DraftModel.checked(draft, target, p_min=0.0)
     accepted = 0
-    for text in CODE_PROMPTS:
+    for text in CODE_PROMPTS[:2]:  # code, where a same-family draft is right most of the time
         prompt_ids = prompt_ids_for(target, text)
         finished, tokens = run(target, drafter, prompt_ids, GREEDY, k=4, max_tokens=40)
         # a whole reply or 40 tokens: where the model ends a short answer depends on the build's numerics
@@ -68,28 +68,28 @@ def test_greedy_with_the_real_draft_is_the_targets_choice(target, draft):
         assert gaps.max() <= TOLERANCE, f"{text[:30]}: token {int(gaps.argmax())} is {gaps.max():.3f} below the best"
         assert finished.stats.rollback_recoveries == 0
         accepted += finished.stats.accepted
-    assert accepted > 20  # a same-family draft is right most of the time on code
+    assert accepted > 15  # of 80 tokens
 
 
 def test_a_seed_reproduces_a_sampled_run(target, draft):
     drafter = DraftModel.checked(draft, target, p_min=0.0)
     params = SamplingParams(temperature=0.8, seed=4321)
     prompt_ids = prompt_ids_for(target, CODE_PROMPTS[0])
-    first, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=32)
-    second, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=32)
-    other, _ = run(target, drafter, prompt_ids, SamplingParams(temperature=0.8, seed=99), k=4, max_tokens=32)
+    first, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=20)
+    second, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=20)
+    other, _ = run(target, drafter, prompt_ids, SamplingParams(temperature=0.8, seed=99), k=4, max_tokens=20)
     assert first.token_ids == second.token_ids and first.text == second.text
     assert other.token_ids != first.token_ids
     assert first.stats.accepted > 0
 
 
-def test_300_tokens_with_rollbacks_on_both_caches(target, draft):
+def test_a_long_sampled_run_with_rollbacks_on_both_caches(target, draft):
     drafter = DraftModel.checked(draft, target, p_min=0.0)
     params = SamplingParams(temperature=0.8, seed=11, banned=target.eog_tokens())  # --ignore-eos
     prompt_ids = prompt_ids_for(target, "Write a long Python module with several small utility functions.")
     recoveries = (target.rollback_recoveries, draft.rollback_recoveries)
-    finished, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=300)
-    assert len(finished.token_ids) == 300
+    finished, _ = run(target, drafter, prompt_ids, params, k=4, max_tokens=128)
+    assert len(finished.token_ids) == 128
     assert finished.stats.drafted > finished.stats.accepted > 0  # rejections: both caches were cut back
     assert (target.rollback_recoveries, draft.rollback_recoveries) == recoveries
     context = prompt_ids + finished.token_ids
