@@ -6,6 +6,7 @@
     python benchmarks/chat_server.py --server-bin PATH        # an already built llama-server
     python benchmarks/chat_server.py --also "-fa on"          # a second specchat column with other flags
     python benchmarks/chat_server.py --server-flags "-fa off" # every llama-server with these flags too
+    python benchmarks/chat_server.py --batch-invariant        # both tools on a batch-invariant build: one text
 
 The conversations are benchmarks/data/chat_conversations.json: a `dev` set (tune there) and an `eval` set
 (held out: report it). Each is a task and follow-ups that rewrite, repeat or update the reply, plus a long
@@ -26,7 +27,14 @@ Each conversation runs in every setting before the next one starts, so a busy mo
 of its R runs. The reference per turn is the fastest server on that turn (of the medians: the best of five
 single runs would favour the servers with their luckiest moment). Geometric means are split into first turns and
 later turns (those that copy from earlier replies). Texts can part between specchat and the server where
-two greedy candidates tie within batched-logit noise; each side continues its own conversation.
+two greedy candidates tie within batched-logit noise; each side continues its own conversation. A `*`
+after specchat's tok/s marks a turn whose text is not plain llama-server's (no drafting): the target's own.
+
+--batch-invariant: both tools on llama.cpp built so that a batch's logits are bit for bit a single token's
+(vs_llamacpp.build_invariant: the same source without llamafile's sgemm and repacked weights, every matmul
+tiled, flash attention off on both sides; specchat loads that build's libllama). Every greedy text is then
+the target's own, so each turn times the same text on every side and compares drafters, not texts. Single
+tokens decode more slowly there than on the default build, so its ratios are not a user's.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-from vs_llamacpp import build  # noqa: E402
+from vs_llamacpp import build, build_invariant, use_invariant  # noqa: E402
 
 CONVERSATIONS = Path(__file__).resolve().parent / "data" / "chat_conversations.json"
 SERVER_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
@@ -188,6 +196,8 @@ def main() -> None:
                     help="more llama-server flags for every server (e.g. \"-fa off\")")
     ap.add_argument("--also", default=None, metavar="FLAGS",
                     help="a second specchat column with these flags (e.g. \"-fa on\"), run beside the default")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="both tools on a build whose batch logits equal single-token ones (see above)")
     a = ap.parse_args()
     for name in ("n", "threads", "ctx", "reps"):
         if getattr(a, name) < 1:
@@ -198,16 +208,22 @@ def main() -> None:
         path = model_file(a.model)
     except Exception as e:
         ap.error(f"--model {a.model}: {e}")
-    binary = a.server_bin or build(a.threads, "llama-server").parent / "llama-server"
+    if a.batch_invariant:
+        binary = a.server_bin or build_invariant(a.threads, "llama-server")
+        use_invariant(binary)  # the specchat processes and the servers inherit it
+        ours_flags, server_flags = ["-fa", "off"], ["-fa", "off", *shlex.split(a.server_flags)]
+    else:
+        binary = a.server_bin or build(a.threads, "llama-server").parent / "llama-server"
+        ours_flags, server_flags = [], shlex.split(a.server_flags)
     if not binary.exists():
         ap.error(f"--server-bin {binary}: no such file")
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         also = shlex.split(a.also) if a.also else None
-        run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx)  # the first chat calibrates
+        run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx, ours_flags)  # calibrates
         if also is not None:
             run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx, also)
-        servers = [Server(binary, path, t, a.threads, a.ctx, shlex.split(a.server_flags)) for t in SERVER_TYPES]
+        servers = [Server(binary, path, t, a.threads, a.ctx, server_flags) for t in SERVER_TYPES]
         try:
             for server in servers:  # warm-up: the first request of a process builds its graphs
                 server.chat([{"role": "user", "content": "Hello"}], 8)
@@ -215,7 +231,7 @@ def main() -> None:
             for convo in conversations:
                 ours_runs, also_runs, theirs_runs = [], [], []
                 for _ in range(a.reps):
-                    ours_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx))
+                    ours_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx, ours_flags))
                     if also is not None:
                         also_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx, also))
                     theirs_runs.append({s.spec_type: s.conversation(convo["turns"], a.n) for s in servers})
@@ -229,7 +245,8 @@ def main() -> None:
                 server.close()
     print(f"# specchat chat vs llama-server · {a.model} · {a.set} set ({len(conversations)} conversations, "
           f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads · median of {a.reps}"
-          + (f" · llama-server {a.server_flags}" if a.server_flags else ""))
+          + (f" · llama-server {a.server_flags}" if a.server_flags else "")
+          + (" · batch-invariant build, -fa off on both sides" if a.batch_invariant else ""))
     if not has_chat_template(path):
         print(f"# {a.model} has no chat template: specchat writes a User:/Assistant: transcript that ends a reply at "
               "'\\nUser:', llama-server its own default template without that stop; the prompts and reply lengths "
@@ -251,7 +268,10 @@ def main() -> None:
         if second is not None:
             (also_firsts if i == 0 else also_laters).append(second["tps"] / theirs[best]["tps"])
             extra = f"{second['tps']:>{len(a.also) + 3}.1f}{second['tps'] / theirs[best]['tps']:>7.2f}x"
-        print(f"{name:<14}{i + 1:>5}{ours['tps']:>10.1f}{acc:>6}{cells}{best:>16}{ratio:>7.2f}x{extra}{short}")
+        own = " " if ours["text"] == theirs["none"]["text"] else "*"
+        print(f"{name:<14}{i + 1:>5}{ours['tps']:>9.1f}{own}{acc:>6}{cells}{best:>16}{ratio:>7.2f}x{extra}{short}")
+    parted = sum(ours["text"] != theirs["none"]["text"] for _, _, ours, theirs, _ in rows)
+    print(f"(* specchat's text is not plain llama-server's: {parted} of {len(rows)} turns)")
     plain = [ours["tps"] / theirs["none"]["tps"] for _, _, ours, theirs, _ in rows]
     print(f"specchat / best llama-server, geomean: first turns {geomean(firsts):.2f}x (worst "
           f"{min(firsts):.2f}x), later turns {geomean(laters):.2f}x (worst {min(laters, default=float('nan')):.2f}x); "

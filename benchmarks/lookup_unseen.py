@@ -68,7 +68,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from vs_llamacpp import build, llama_cpp_version, run_llamacpp, run_specchat, same_tokens  # noqa: E402
+from vs_llamacpp import (  # noqa: E402
+    build, build_invariant, llama_cpp_version, run_llamacpp, run_specchat, same_tokens, use_invariant,
+)
 
 from specchat.config import load_config  # noqa: E402
 from specchat.sources import resolve  # noqa: E402
@@ -79,7 +81,6 @@ SHORT = {"ngram-simple": "simple", "ngram-map-k": "map-k", "ngram-map-k4v": "map
 MODES = ("empty", "learned", "target")
 CTX = 4096
 MODEL = "gemma-3-270m"
-INVARIANT = "build-invariant"  # --batch-invariant's llama.cpp build, next to vs_llamacpp.build's build/
 
 
 def load_prompts(path: Path, kinds: list[str] | None, limit: int | None) -> list[dict]:
@@ -364,12 +365,8 @@ def main() -> None:
     learning = load_prompts(a.learning, None, a.learn_limit)
     a.common = []  # arguments both tools get
     if a.batch_invariant:
-        binary = a.llama_bin or build(a.jobs, variant=INVARIANT,
-                                      cmake_args=("-DGGML_LLAMAFILE=OFF", "-DGGML_CPU_REPACK=OFF", "-DBUILD_SHARED_LIBS=ON"))
-        # the subprocesses inherit these: specchat loads this build's libllama, and both sides take the
-        # tiled K-quant matmul for every token count, not only for batches of 8 or more as by default (one
-        # kernel for all, so a row's result does not depend on how many rows came with it)
-        os.environ.update(LLAMA_CPP_LIB_PATH=str(binary.parent), GGML_CPU_TILED_MM_FORCE="1")
+        binary = a.llama_bin or build_invariant(a.jobs)
+        use_invariant(binary)  # the subprocesses inherit it
         a.common = ["-fa", "off"]
     else:
         binary = a.llama_bin or build(a.jobs)

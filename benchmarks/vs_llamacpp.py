@@ -115,6 +115,26 @@ def build(jobs: int, target: str = "llama-speculative-simple", variant: str = "b
     return binary
 
 
+# A build whose batch logits equal single-token ones, bit for bit (lookup_unseen.py and chat_server.py
+# --batch-invariant): no llamafile sgemm and no repacked weights, so every matmul takes ggml's own kernels;
+# shared libraries, so that specchat loads its libllama (LLAMA_CPP_LIB_PATH)
+INVARIANT = "build-invariant"
+INVARIANT_CMAKE = ("-DGGML_LLAMAFILE=OFF", "-DGGML_CPU_REPACK=OFF", "-DBUILD_SHARED_LIBS=ON")
+
+
+def build_invariant(jobs: int, target: str = "llama-speculative-simple", also: tuple[str, ...] = ()) -> Path:
+    """`target` (and `also`) of the batch-invariant build, built once into the cache dir's build-invariant/."""
+    return build(jobs, target, variant=INVARIANT, cmake_args=INVARIANT_CMAKE, also=also)
+
+
+def use_invariant(binary: Path) -> None:
+    """Make this process's children run on the batch-invariant build of `binary`: specchat loads that build's
+    libllama, and every side takes the tiled K-quant matmul for every token count, not only for batches of 8
+    or more as by default (one kernel for all, so a row's result does not depend on how many rows came with
+    it). Flash attention must be off on every side as well (its CPU kernel is not batch-invariant)."""
+    os.environ.update(LLAMA_CPP_LIB_PATH=str(binary.parent), GGML_CPU_TILED_MM_FORCE="1")
+
+
 def run_llamacpp(binary: Path, model: Path, prompt: str, *, n: int, threads: int, draft: int, ngram: bool | str,
                  ctx: int = 2048, ignore_eos: bool = True, extra: tuple[str, ...] = ()) -> dict:
     """One greedy llama-speculative-simple run. Without ignore_eos it stops at an end-of-generation token:
