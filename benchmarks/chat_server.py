@@ -13,8 +13,8 @@ The conversations are benchmarks/data/chat_conversations.json: a `dev` set (tune
 chat of 11 turns.
 
 specchat: `specchat chat -m MODEL` as a user runs it, its default drafter (prompt lookup), the messages piped
-on stdin a line each, greedy, -n tokens a turn with --ignore-eos, in one SPECCHAT_HOME per model that a
-one-turn chat calibrates first (a new user's first chat does the same). tok/s per turn is generation only,
+on stdin a line each, greedy, -n tokens a turn with --ignore-eos, in a SPECCHAT_HOME that a one-turn chat
+calibrated first (a new user's first chat does the same). tok/s per turn is generation only,
 from the transcript's stats.
 
 llama-server, built from the vendored llama.cpp of the installed llama-cpp-python (vs_llamacpp.build), one
@@ -22,18 +22,27 @@ server per drafter: none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, a
 slot each, prompt cache on: turn 2 reuses turn 1), /v1/chat/completions with the model's own template,
 temperature 0, the same -n with ignore_eos. tok/s per turn is its `timings.predicted_per_second`.
 
-Each conversation runs in every setting before the next one starts, so a busy moment hits all alike; with
---reps R every conversation runs R times so (interleaved), and each setting's tok/s on a turn is the median
-of its R runs. The reference per turn is the fastest server on that turn (of the medians: the best of five
-single runs would favour the servers with their luckiest moment). Geometric means are split into first turns and
-later turns (those that copy from earlier replies). Texts can part between specchat and the server where
+Each conversation runs in every setting before the next one starts, so a busy moment hits all alike. --reps R
+makes R passes over the conversations, each from the calibrated home and with fresh servers: specchat's lookup
+searches earlier replies (its transcripts) and llama-server's ngram-mod keeps a pool across requests, so a
+pass remembers its own earlier conversations, as a user's day would, but never another pass's replies to the
+same messages. Each
+setting's tok/s on a turn is the median of its R runs. The reference per turn is the fastest server on that
+turn (of the medians: the best of five single runs would favour the servers with their luckiest moment).
+Geometric means are split into first turns and later turns (those that copy from earlier replies). Texts can part between specchat and the server where
 two greedy candidates tie within batched-logit noise; each side continues its own conversation. A `*`
 after specchat's tok/s marks a turn whose text is not plain llama-server's (no drafting): the target's own.
 
+--prompt-ids: llama-server is sent each turn as the ids the model saw (its own template and tokenizer, the
+difference a turn adds appended to the prompt and reply ids it held, to /completion), as specchat holds a
+chat, instead of the whole conversation as text that /v1/chat/completions tokenizes again: a reply's text
+need not tokenize back to the ids generated (at its cut end), so the two tools may not condition on the same
+tokens from turn 2 on.
+
 --batch-invariant: both tools on llama.cpp built so that a batch's logits are bit for bit a single token's
 (vs_llamacpp.build_invariant: the same source without llamafile's sgemm and repacked weights, every matmul
-tiled, flash attention off on both sides; specchat loads that build's libllama). Every greedy text is then
-the target's own, so each turn times the same text on every side and compares drafters, not texts. Single
+tiled, flash attention off on both sides; specchat loads that build's libllama; implies --prompt-ids).
+Every greedy text is then the target's own, so each turn times the same text on every side and compares drafters, not texts. Single
 tokens decode more slowly there than on the default build, so its ratios are not a user's.
 """
 
@@ -44,6 +53,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -117,6 +127,7 @@ def run_specchat(home: Path, model: str, turns: list[str], n: int, threads: int,
 class Server:
     def __init__(self, binary: Path, model: Path, spec_type: str, threads: int, ctx: int, flags: Sequence[str] = ()):
         self.spec_type = spec_type
+        self.retokenized = 0  # --prompt-ids turns whose rendering did not extend the held text
         self.port = free_port()
         args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
                 "-t", str(threads), "-tb", str(threads), "-ngl", "0", "-np", "1"]
@@ -140,22 +151,46 @@ class Server:
             time.sleep(0.3)
 
     def chat(self, messages: list[dict], n: int) -> dict:
-        body = json.dumps({"messages": messages, "max_tokens": n, "temperature": 0.0, "top_k": 1, "seed": 1,
-                           "ignore_eos": True, "cache_prompt": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=1800) as r:
-            doc = json.loads(r.read())
+        doc = self.post("/v1/chat/completions", {"messages": messages, "max_tokens": n, "temperature": 0.0,
+                                                  "top_k": 1, "seed": 1, "ignore_eos": True, "cache_prompt": True})
         t = doc["timings"]
         return {"tps": t["predicted_per_second"], "n": t["predicted_n"], "drafted": t.get("draft_n", 0),
                 "accepted": t.get("draft_n_accepted", 0), "text": doc["choices"][0]["message"]["content"]}
 
-    def conversation(self, turns: list[str], n: int) -> list[dict]:
+    def post(self, route: str, body: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{route}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=1800) as r:
+            return json.loads(r.read())
+
+    def conversation(self, turns: list[str], n: int, prompt_ids: bool = False) -> list[dict]:
+        """The turns as a user's client sends them: /v1/chat/completions with the whole conversation as text,
+        which the server renders and tokenizes again every turn. With `prompt_ids`, the way specchat's
+        Conversation holds a chat: the exact ids the model saw (each prompt as sent plus each token it
+        generated), the server's own template rendering of the new turn tokenized as a difference and
+        appended, sent to /completion as token ids."""
         messages: list[dict] = []
         out = []
+        held_text, held_ids = "", []
         for user in turns:
             messages.append({"role": "user", "content": user})
-            reply = self.chat(messages, n)
+            if prompt_ids:
+                text = self.post("/apply-template", {"messages": messages})["prompt"]
+                if held_ids and text.startswith(held_text):
+                    ids = held_ids + self.post("/tokenize", {"content": text[len(held_text):], "add_special": False,
+                                                            "parse_special": True})["tokens"]
+                else:
+                    self.retokenized += bool(held_ids)
+                    ids = self.post("/tokenize", {"content": text, "add_special": True, "parse_special": True})["tokens"]
+                doc = self.post("/completion", {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1,
+                                                "seed": 1, "ignore_eos": True, "cache_prompt": True,
+                                                "return_tokens": True})
+                t = doc["timings"]
+                reply = {"tps": t["predicted_per_second"], "n": t["predicted_n"], "drafted": t.get("draft_n", 0),
+                         "accepted": t.get("draft_n_accepted", 0), "text": doc["content"]}
+                held_text, held_ids = text + doc["content"], ids + doc["tokens"]
+            else:
+                reply = self.chat(messages, n)
             messages.append({"role": "assistant", "content": reply["text"]})
             out.append(reply)
         return out
@@ -197,7 +232,10 @@ def main() -> None:
     ap.add_argument("--also", default=None, metavar="FLAGS",
                     help="a second specchat column with these flags (e.g. \"-fa on\"), run beside the default")
     ap.add_argument("--batch-invariant", action="store_true",
-                    help="both tools on a build whose batch logits equal single-token ones (see above)")
+                    help="both tools on a build whose batch logits equal single-token ones (see above); "
+                         "implies --prompt-ids")
+    ap.add_argument("--prompt-ids", action="store_true",
+                    help="send the servers each turn as the ids the model saw, not as text to tokenize again")
     a = ap.parse_args()
     for name in ("n", "threads", "ctx", "reps"):
         if getattr(a, name) < 1:
@@ -217,36 +255,53 @@ def main() -> None:
         ours_flags, server_flags = [], shlex.split(a.server_flags)
     if not binary.exists():
         ap.error(f"--server-bin {binary}: no such file")
+    prompt_ids = a.prompt_ids or a.batch_invariant
+    also = shlex.split(a.also) if a.also else None
+    retokenized = dict.fromkeys(SERVER_TYPES, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        home = Path(tmp) / "home"
-        also = shlex.split(a.also) if a.also else None
-        run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx, ours_flags)  # calibrates
+        calibrated = Path(tmp) / "calibrated"
+        first = [data["dev"][0]["turns"][0]]
+        run_specchat(calibrated, a.model, first, 16, a.threads, a.ctx, ours_flags)  # calibrates
         if also is not None:
-            run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx, also)
-        servers = [Server(binary, path, t, a.threads, a.ctx, server_flags) for t in SERVER_TYPES]
-        try:
-            for server in servers:  # warm-up: the first request of a process builds its graphs
-                server.chat([{"role": "user", "content": "Hello"}], 8)
-            rows = []
-            for convo in conversations:
-                ours_runs, also_runs, theirs_runs = [], [], []
-                for _ in range(a.reps):
-                    ours_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx, ours_flags))
-                    if also is not None:
-                        also_runs.append(run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx, also))
-                    theirs_runs.append({s.spec_type: s.conversation(convo["turns"], a.n) for s in servers})
-                for i in range(len(convo["turns"])):
-                    ours = median_run([run[i] for run in ours_runs])
-                    theirs = {t: median_run([run[t][i] for run in theirs_runs]) for t in SERVER_TYPES}
-                    second = median_run([run[i] for run in also_runs]) if also_runs else None
-                    rows.append((convo["name"], i, ours, theirs, second))
-        finally:
-            for server in servers:
-                server.close()
+            run_specchat(calibrated, a.model, first, 16, a.threads, a.ctx, also)
+        shutil.rmtree(calibrated / "share")  # its costs stay, its transcript goes
+        # runs[c][rep]: per conversation c, one pass each: ours, also, theirs (by server type)
+        runs: list[list[tuple]] = [[] for _ in conversations]
+        for rep in range(a.reps):
+            # Each pass starts from the calibrated home and fresh servers: lookup's earlier replies (specchat's
+            # transcripts) and ngram-mod's pool (the server's, kept across requests) then hold the pass's earlier
+            # conversations, as a user's day would, and never an earlier pass's replies to the same messages.
+            home = Path(tmp) / f"pass{rep}"
+            shutil.copytree(calibrated, home)
+            servers = [Server(binary, path, t, a.threads, a.ctx, server_flags) for t in SERVER_TYPES]
+            try:
+                for server in servers:  # warm-up: the first request of a process builds its graphs
+                    server.chat([{"role": "user", "content": "Hello"}], 8)
+                for c, convo in enumerate(conversations):
+                    ours = run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx, ours_flags)
+                    second = (run_specchat(home, a.model, convo["turns"], a.n, a.threads, a.ctx, also)
+                              if also is not None else None)
+                    theirs = {s.spec_type: s.conversation(convo["turns"], a.n, prompt_ids) for s in servers}
+                    runs[c].append((ours, second, theirs))
+            finally:
+                for server in servers:
+                    retokenized[server.spec_type] += server.retokenized
+                    server.close()
+        rows = []
+        for c, convo in enumerate(conversations):
+            for i in range(len(convo["turns"])):
+                ours = median_run([run[0][i] for run in runs[c]])
+                second = median_run([run[1][i] for run in runs[c]]) if also is not None else None
+                theirs = {t: median_run([run[2][t][i] for run in runs[c]]) for t in SERVER_TYPES}
+                rows.append((convo["name"], i, ours, theirs, second))
     print(f"# specchat chat vs llama-server · {a.model} · {a.set} set ({len(conversations)} conversations, "
           f"{len(rows)} turns) · greedy · {a.n} tokens a turn · {a.threads} threads · median of {a.reps}"
           + (f" · llama-server {a.server_flags}" if a.server_flags else "")
-          + (" · batch-invariant build, -fa off on both sides" if a.batch_invariant else ""))
+          + (" · batch-invariant build, -fa off on both sides" if a.batch_invariant else "")
+          + (" · servers sent the ids the model saw" if prompt_ids else ""))
+    if prompt_ids:
+        print("# turns whose rendering did not extend the held text (tokenized whole again): "
+              + ", ".join(f"{t} {n}" for t, n in retokenized.items()))
     if not has_chat_template(path):
         print(f"# {a.model} has no chat template: specchat writes a User:/Assistant: transcript that ends a reply at "
               "'\\nUser:', llama-server its own default template without that stop; the prompts and reply lengths "
