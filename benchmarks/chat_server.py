@@ -218,6 +218,22 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def server_setup(ap: argparse.ArgumentParser, server_bin: Path | None, threads: int,
+                 batch_invariant: bool) -> tuple[Path, list[str], list[str]]:
+    """llama-server (built once unless given) and the flags of each side: on the batch-invariant build,
+    which this process's children then load (specchat's libllama too), flash attention off on both."""
+    if batch_invariant:
+        binary = server_bin or build_invariant(threads, "llama-server")
+        use_invariant(binary)  # the specchat processes and the servers inherit it
+        ours, theirs = ["-fa", "off"], ["-fa", "off"]
+    else:
+        binary = server_bin or build(threads, "llama-server").parent / "llama-server"
+        ours, theirs = [], []
+    if not binary.exists():
+        ap.error(f"--server-bin {binary}: no such file")
+    return binary, ours, theirs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", help="a model name from models.toml (default: smollm2-135m)")
@@ -246,15 +262,8 @@ def main() -> None:
         path = model_file(a.model)
     except Exception as e:
         ap.error(f"--model {a.model}: {e}")
-    if a.batch_invariant:
-        binary = a.server_bin or build_invariant(a.threads, "llama-server")
-        use_invariant(binary)  # the specchat processes and the servers inherit it
-        ours_flags, server_flags = ["-fa", "off"], ["-fa", "off", *shlex.split(a.server_flags)]
-    else:
-        binary = a.server_bin or build(a.threads, "llama-server").parent / "llama-server"
-        ours_flags, server_flags = [], shlex.split(a.server_flags)
-    if not binary.exists():
-        ap.error(f"--server-bin {binary}: no such file")
+    binary, ours_flags, server_flags = server_setup(ap, a.server_bin, a.threads, a.batch_invariant)
+    server_flags += shlex.split(a.server_flags)
     prompt_ids = a.prompt_ids or a.batch_invariant
     also = shlex.split(a.also) if a.also else None
     retokenized = dict.fromkeys(SERVER_TYPES, 0)

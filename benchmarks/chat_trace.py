@@ -35,8 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-from chat_server import CONVERSATIONS, SERVER_TYPES, Server, model_file, run_specchat  # noqa: E402
-from vs_llamacpp import build, build_invariant, use_invariant  # noqa: E402
+from chat_server import CONVERSATIONS, SERVER_TYPES, Server, model_file, run_specchat, server_setup  # noqa: E402
 
 # Run in the specchat process: time llama_decode, each verify step and each turn's start, dump them at exit.
 WRAPPER = r"""
@@ -146,15 +145,7 @@ def main() -> None:
         path = model_file(a.model)
     except Exception as e:
         ap.error(f"--model {a.model}: {e}")
-    if a.batch_invariant:
-        binary = a.server_bin or build_invariant(a.threads, "llama-server")
-        use_invariant(binary)
-        ours, theirs = ["-fa", "off"], ["-fa", "off"]
-    else:
-        binary = a.server_bin or build(a.threads, "llama-server").parent / "llama-server"
-        ours, theirs = [], []
-    if not binary.exists():
-        ap.error(f"--server-bin {binary}: no such file")
+    binary, ours, theirs = server_setup(ap, a.server_bin, a.threads, a.batch_invariant)
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         run_specchat(home, a.model, [data["dev"][0]["turns"][0]], 16, a.threads, a.ctx, ours)  # calibrates
