@@ -78,36 +78,59 @@ class GGUFLayout:
 
 def gguf_layout(path: Path, tensors: bool = True) -> GGUFLayout | None:
     """The header in one pass: architecture, values (see gguf_values) and, with `tensors`, the tensors by
-    name (their shapes, types and where their data lies); None when unreadable."""
+    name (their shapes, types and where their data lies); None when unreadable.
+
+    Read through a memory map, not file reads and seeks: a vocabulary and its merges are some 100k-300k
+    strings that only need skipping (Qwen2.5's header took 234 ms that way, twice per load)."""
+    import mmap
     import struct
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
     ints = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 10: "Q", 11: "q"}
+    length = struct.Struct("<Q").unpack_from
     try:
-        with path.open("rb") as f:
+        with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            pos = 0
+
             def read(fmt: str):
-                data = f.read(struct.calcsize(fmt))
-                return struct.unpack("<" + fmt, data)[0]
+                nonlocal pos
+                value = struct.unpack_from("<" + fmt, buf, pos)[0]
+                pos += struct.calcsize(fmt)
+                return value
 
             def string() -> bytes:
-                return f.read(read("Q"))
+                nonlocal pos
+                n = read("Q")
+                if pos + n > len(buf):
+                    raise ValueError("string past the end of the file")
+                pos += n
+                return buf[pos - n:pos]
 
             def skip(kind: int) -> None:
+                nonlocal pos
                 if kind in sizes:
-                    f.seek(sizes[kind], 1)
+                    pos += sizes[kind]
                 elif kind == 8:
-                    f.seek(read("Q"), 1)
+                    pos += 8 + read("Q")
                 elif kind == 9:
                     inner, count = read("I"), read("Q")
                     if inner in sizes:
-                        f.seek(sizes[inner] * count, 1)
+                        pos += sizes[inner] * count
+                    elif inner == 8:  # strings: the vocabulary, its merges
+                        at = pos
+                        for _ in range(count):
+                            at += 8 + length(buf, at)[0]
+                        pos = at
                     else:
                         for _ in range(count):
                             skip(inner)
                 else:
                     raise ValueError(kind)
 
-            if f.read(4) != GGUF_MAGIC or read("I") < 2:
+            if buf[:4] != GGUF_MAGIC:
+                return None
+            pos = 4
+            if read("I") < 2:
                 return None
             n_tensors = read("Q")
             values: dict[bytes, int] = {}
@@ -127,12 +150,12 @@ def gguf_layout(path: Path, tensors: bool = True) -> GGUFLayout | None:
                 elif kind == 9 and key == b"tokenizer.ggml.tokens":  # the vocabulary: only its size is kept
                     read("I")  # the element type (strings)
                     n_vocab = read("Q")
-                    f.seek(-12, 1)
+                    pos -= 12
                     skip(kind)
                 elif kind == 9 and key.endswith(b".target_layers"):  # a head's layer ids
                     inner, count = read("I"), read("Q")
                     if inner not in ints:
-                        f.seek(-12, 1)
+                        pos -= 12
                         skip(kind)
                         continue
                     values[key] = tuple(read(ints[inner]) for _ in range(count))
@@ -145,7 +168,7 @@ def gguf_layout(path: Path, tensors: bool = True) -> GGUFLayout | None:
                     name = string().decode("utf-8", "replace")
                     shape = tuple(read("Q") for _ in range(read("I")))
                     infos.append((name, shape, read("I"), read("Q")))
-                start = -(-f.tell() // alignment) * alignment
+                start = -(-pos // alignment) * alignment
                 found_tensors = {name: TensorInfo(shape, kind, start + offset) for name, shape, kind, offset in infos}
             name = arch.decode("utf-8", "replace") if arch else None
             prefix = (arch or b"") + b"."
@@ -153,5 +176,5 @@ def gguf_layout(path: Path, tensors: bool = True) -> GGUFLayout | None:
             if n_vocab and "vocab_size" not in found:
                 found["vocab_size"] = n_vocab
             return GGUFLayout(name, found, found_tensors)
-    except (OSError, ValueError, struct.error):
+    except (OSError, ValueError, OverflowError, struct.error):  # OverflowError: a length past 2**63
         return None

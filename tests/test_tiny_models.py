@@ -88,6 +88,42 @@ def test_header_parser_matches_ggufreader():
     assert len(ours["tokenizer.ggml.tokens"][2]) == tm.N_VOCAB
 
 
+def test_gguf_layout_matches_ggufreader_and_reads_damage_as_unreadable(files, tmp_path):
+    """specchat's own header reader (architecture, vocabulary size, each tensor's shape, type and data
+    offset) against gguf-py's, on every architecture; a damaged header is None, never an exception."""
+    import gguf
+
+    from specchat.gguf_header import gguf_layout
+
+    for arch in tm.ARCHS:
+        path = files[arch, "target"]
+        layout, reader = gguf_layout(path), gguf.GGUFReader(path)
+        assert layout.arch == arch
+        assert layout.values["vocab_size"] == tm.N_VOCAB
+        assert layout.values["block_count"] == int(reader.fields[f"{arch}.block_count"].contents())
+        assert {name: (t.shape, t.ggml_type, t.offset) for name, t in layout.tensors.items()} == {
+            t.name: (tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors
+        }
+        header_only = gguf_layout(path, tensors=False)
+        assert (header_only.arch, header_only.values, header_only.tensors) == (layout.arch, layout.values, {})
+
+    data = files["llama", "target"].read_bytes()
+    vocab_at = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4 + 8
+    damaged = {
+        "empty": b"",
+        "magic only": data[:4],
+        "cut inside the vocabulary": data[: vocab_at + 50_000],
+        "cut inside the tensor infos": data[: data.index(b"output_norm.weight") + 4],
+        # the first vocabulary string's length made to point far past the end of the file, or past 2**63
+        "a string past the end": data[:vocab_at] + (2**40).to_bytes(8, "little") + data[vocab_at + 8:],
+        "a string past 2**63": data[:vocab_at] + (2**64 - 1).to_bytes(8, "little") + data[vocab_at + 8:],
+    }
+    for what, content in damaged.items():
+        broken = tmp_path / "broken.gguf"
+        broken.write_bytes(content)
+        assert gguf_layout(broken) is None, what
+
+
 def test_files_are_small_fast_and_deterministic(files, tmp_path):
     for arch in tm.ARCHS:
         size = files[arch, "target"].stat().st_size
