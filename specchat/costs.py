@@ -375,11 +375,18 @@ def _calibration(backend, model: CostModel) -> dict:
             "budget": CALIBRATION_BUDGET, "version": CALIBRATION_VERSION}
 
 
+# why a saved calibration is measured again (the notice before it says so; a first one has no reason)
+AGAIN_CONTRADICTED = "runs here have been faster than its saved costs"
+AGAIN_OUTDATED = "its saved costs were timed by another version of specchat"
+AGAIN_ASKED = "as asked (--recalibrate)"
+
+
 def cached_cost_model(backend, cache_file: Path | None,
-                      notify: Callable[[str, float], None] | None = None) -> CostModel:
+                      notify: Callable[[str, float, str], None] | None = None) -> CostModel:
     """The backend's cost model from the cache file, measuring (a few seconds, once per model file and
     thread count) on a miss, or again when what runs observed contradicts the calibration (see
-    STALE_RATIO). `notify(model name, estimated seconds)` is called before a measurement.
+    STALE_RATIO). `notify(model name, estimated seconds, again)` is called before a measurement, `again`
+    '' for the first one, else why the saved one is measured again (AGAIN_*).
     The cache file is replaced atomically: an interrupted run never leaves half a file."""
     key = cost_cache_key(backend)
     table = read_table(cache_file) if cache_file is not None and cache_file.exists() else {}
@@ -398,7 +405,8 @@ def cached_cost_model(backend, cache_file: Path | None,
     redo = usable and verdict(entry) is True and isinstance(redone, int) and redone < MAX_REDOS
     if usable and not redo:
         return _from_entry(entry, cache_file, key)
-    model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s)) if notify is not None else None)
+    again = AGAIN_CONTRADICTED if redo else AGAIN_OUTDATED if isinstance(entry, dict) else ""
+    model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s, again)) if notify is not None else None)
     if cache_file is None:
         return model
     fresh = _calibration(backend, model)
@@ -417,11 +425,11 @@ def cached_cost_model(backend, cache_file: Path | None,
     return _from_entry(fresh, cache_file, key)
 
 
-def recalibrate(backend, cache_file: Path, notify: Callable[[str, float], None] | None = None) -> CostModel:
+def recalibrate(backend, cache_file: Path, notify: Callable[[str, float, str], None] | None = None) -> CostModel:
     """Measure the backend again and replace its cache entry, what runs observed included: a fresh
     start (`specchat report --recalibrate`)."""
     key = cost_cache_key(backend)
-    model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s)) if notify is not None else None)
+    model = CostModel.measure(backend, notify=(lambda s: notify(backend.name, s, AGAIN_ASKED)) if notify is not None else None)
     table = read_table(cache_file)
     table[key] = _calibration(backend, model)
     write_atomic(cache_file, json.dumps(table, indent=1))

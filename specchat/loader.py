@@ -293,15 +293,15 @@ def _reference_draft_cost(drafter: Drafter, target: Backend, verify: CostModel) 
 
 
 def make_policy(loaded: Loaded, draft_max: int, draft_fixed: int | None, *, remember: bool = True,
-                reproducible: bool = False, notify: Callable[[str, float], None] | None = None) -> Policy:
+                reproducible: bool = False, notify: Callable[[str, float, str], None] | None = None) -> Policy:
     """The policy a command runs with: none without a drafter, fixed with --draft-fixed, else adaptive,
     each drafter starting from the estimates earlier runs saved for this target and it (unless
     remember=False).
 
     reproducible (--reproducible): adaptive, but its draft lengths depend only on the tokens: fixed
     reference costs instead of timings (nothing measured, nothing learned from the clock) and no
-    estimates read from or saved for other runs. `notify(model, seconds)` is called before a
-    calibration (the first run on a machine)."""
+    estimates read from or saved for other runs. `notify(model, seconds, again)` is called before a
+    calibration (the first run on a machine, or a saved one measured again: costs.cached_cost_model)."""
     if loaded.drafter is None or draft_max == 0:
         return FixedPolicy(0)
     if draft_fixed is not None:

@@ -214,8 +214,8 @@ def loading(config: Config, run: RunOptions, console: Console):
 
 
 def measuring_notice(console: Console):
-    """The `notify` for make_policy: one visible line before a calibration (the first run on a machine),
-    and the activity a Ctrl-C then reports."""
+    """The `notify` for make_policy: one visible line before a calibration (the first run on a machine,
+    or a saved one measured again, with why), and the activity a Ctrl-C then reports."""
 
     from rich.errors import MissingStyle
 
@@ -224,10 +224,16 @@ def measuring_notice(console: Console):
     except MissingStyle:
         style = "dim"
 
-    def notify(model: str, seconds: float) -> None:
+    def notify(model: str, seconds: float, again: str = "") -> None:
+        about = f"about {max(1, round(seconds))} s"
+        if again:  # nothing is written until the measuring ends: an interrupted one keeps the saved costs
+            _activity.append(f"measuring this machine again ({model}); its saved costs were kept")
+            console.print(f"measuring this machine again for {model} ({about}): {again}…", style=style,
+                          highlight=False)
+            return
         _activity.append(f"measuring this machine ({model}); nothing was saved, it measures again next time")
-        console.print(f"measuring this machine once for {model} (about {max(1, round(seconds))} s; "
-                      "saved for next time)…", style=style, highlight=False)
+        console.print(f"measuring this machine once for {model} ({about}; saved for next time)…", style=style,
+                      highlight=False)
 
     return notify
 

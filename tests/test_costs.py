@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 from specchat.costs import (
+    AGAIN_ASKED,
+    AGAIN_CONTRADICTED,
+    AGAIN_OUTDATED,
     CALIBRATION_BUDGET,
     CALIBRATION_SIZES,
     CALIBRATION_VERSION,
@@ -20,6 +23,7 @@ from specchat.costs import (
     CostModel,
     cached_cost_model,
     cost_cache_key,
+    recalibrate,
 )
 from specchat.engine import StepEvent, generate
 from specchat.loader import make_policy
@@ -64,11 +68,14 @@ def no_measuring(monkeypatch):
 
 @pytest.fixture
 def measures(monkeypatch):
-    """CostModel.measure returns the costs in `measures.cost` (quiet by default) and counts its calls."""
-    record = SimpleNamespace(calls=0, cost=quiet)
+    """CostModel.measure returns the costs in `measures.cost` (quiet by default) and counts its calls;
+    with `measures.notify` set it first calls its notify with an estimate of 1 s."""
+    record = SimpleNamespace(calls=0, cost=quiet, notify=False)
 
-    def measure(cls, backend, *args, **kw):
+    def measure(cls, backend, *args, notify=None, **kw):
         record.calls += 1
+        if notify is not None and record.notify:
+            notify(1.0)
         sizes = list(CALIBRATION_SIZES)
         return cls(sizes, [record.cost(n) for n in sizes], measured=True)
 
@@ -159,6 +166,32 @@ def test_a_contradicted_calibration_is_measured_again_once(tmp_path, measures):
     assert "redone" not in saved_entry(cache, fake)  # the redo holds
     cached_cost_model(fake, cache)
     assert measures.calls == 1  # and is not measured again
+
+
+def test_the_notice_before_a_measurement_says_whether_it_is_the_first_and_why_not(tmp_path, measures):
+    """notify(model, seconds, again): '' for a first calibration; why, for a saved one measured again."""
+    cache, fake, told = tmp_path / "costs.json", backend(), []
+    measures.notify = True
+
+    def notify(*args):
+        told.append(args)
+
+    cached_cost_model(fake, cache, notify)
+    assert told == [("fake-model", 1.0, "")]
+    model = cached_cost_model(fake, cache, notify)  # saved: not measured, nothing told
+    assert len(told) == 1
+    for _ in range(STALE_STEPS):
+        model.update(1, quiet(1) * 0.5)
+    model.save()
+    cached_cost_model(fake, cache, notify)
+    assert told[1] == ("fake-model", 1.0, AGAIN_CONTRADICTED)
+    table = json.loads(cache.read_text())
+    table[cost_cache_key(fake)]["version"] = CALIBRATION_VERSION - 1  # timed as an older specchat timed
+    cache.write_text(json.dumps(table))
+    cached_cost_model(fake, cache, notify)
+    assert told[2] == ("fake-model", 1.0, AGAIN_OUTDATED)
+    recalibrate(fake, cache, notify)
+    assert told[3] == ("fake-model", 1.0, AGAIN_ASKED) and measures.calls == 4
 
 
 def test_a_redo_on_a_busy_machine_keeps_the_faster_readings_and_stops(tmp_path, measures):

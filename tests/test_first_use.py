@@ -151,6 +151,38 @@ def test_ctrl_c_while_measuring_says_what_it_stopped_and_leaves_no_file(cli, fak
     assert not home.exists() or not [p for p in home.rglob("*") if p.is_file()]
 
 
+def test_a_calibration_measured_again_says_why_and_ctrl_c_keeps_the_saved_costs(cli, fake_models, tmp_path,
+                                                                                 monkeypatch):
+    """A saved calibration that what runs observed contradicts is measured again at the next start: the
+    line says "again" and why (not "once"), and a Ctrl-C in it keeps the saved costs for the next run."""
+    from specchat.costs import STALE_STEPS
+
+    home = tmp_path / "home"
+    first = cli("chat", "-n", "6", stdin="hello\n", home=home)
+    assert first.returncode == 0 and "measuring this machine once for fake-target" in first.stderr
+    cache = home / ".cache" / "costs.json"
+    table = json.loads(cache.read_text())
+    (key,) = [k for k, entry in table.items() if entry.get("name") == "fake-target"]
+    table[key]["observed"] = {"1": [table[key]["seconds"][0] * 0.5] * STALE_STEPS}  # runs went twice as fast
+    cache.write_text(json.dumps(table))
+    saved = cache.read_text()
+
+    def interrupted(cls, backend, *a, notify=None, **kw):
+        notify(3.0)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CostModel, "measure", classmethod(interrupted))
+    result = cli("chat", stdin="hello\n", home=home)
+    assert result.returncode == 130
+    shown = " ".join(result.stderr.split())  # as one line: the chat's console wraps at its width
+    assert ("measuring this machine again for fake-target (about 3 s): runs here have been faster than its "
+            "saved costs…") in shown
+    assert "once" not in shown
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "specchat: interrupted while measuring this machine again (fake-target); its saved costs were kept"
+    assert cache.read_text() == saved
+
+
 def test_ctrl_c_while_loading_says_what_it_stopped(cli, monkeypatch):
     def load(config, selection, opts, status=lambda m: None):
         status("loading target smollm2-135m")

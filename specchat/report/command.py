@@ -47,7 +47,7 @@ def measure_again(loaded, console) -> None:
         if backend is not None:
             backends.setdefault(cost_cache_key(backend), backend)  # a self-pair's draft costs what its target does
 
-    def notify(name: str, seconds: float) -> None:
+    def notify(name: str, seconds: float, again: str) -> None:
         console.print(f"measuring this machine again for {name} (about {max(1, round(seconds))} s)…", style="dim",
                       highlight=False)
 
