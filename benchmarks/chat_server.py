@@ -29,7 +29,8 @@ pass remembers its own earlier conversations, as a user's day would, but never a
 same messages. Each
 setting's tok/s on a turn is the median of its R runs. The reference per turn is the fastest server on that
 turn (of the medians: the best of five single runs would favour the servers with their luckiest moment).
-Geometric means are split into first turns and later turns (those that copy from earlier replies). Texts can part between specchat and the server where
+Geometric means are split into first turns and later turns (those that copy from earlier replies), against the
+per-turn best and against each server on its own (the drafter a user would pick in advance). Texts can part between specchat and the server where
 two greedy candidates tie within batched-logit noise; each side continues its own conversation. A `*`
 after specchat's tok/s marks a turn whose text is not plain llama-server's (no drafting): the target's own.
 
@@ -218,6 +219,20 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def against_each(rows: list[tuple]) -> list[str]:
+    """specchat against each server on its own (the drafter a user would pick in advance), where the
+    per-turn best is a drafter picked after the fact: geomeans and worst turns, first and later turns."""
+    lines = []
+    for t in SERVER_TYPES:
+        ratio = {first: [ours["tps"] / theirs[t]["tps"] for _, i, ours, theirs, _ in rows if (i == 0) == first]
+                 for first in (True, False)}
+        lines.append(f"specchat / {t:<13} geomean: first turns {geomean(ratio[True]):.2f}x (worst "
+                     f"{min(ratio[True], default=float('nan')):.2f}x, {sum(r < 0.9 for r in ratio[True])} below 0.9x), "
+                     f"later turns {geomean(ratio[False]):.2f}x (worst {min(ratio[False], default=float('nan')):.2f}x, "
+                     f"{sum(r < 0.9 for r in ratio[False])} below 0.9x)")
+    return lines
+
+
 def server_setup(ap: argparse.ArgumentParser, server_bin: Path | None, threads: int,
                  batch_invariant: bool) -> tuple[Path, list[str], list[str]]:
     """llama-server (built once unless given) and the flags of each side: on the batch-invariant build,
@@ -341,6 +356,8 @@ def main() -> None:
           f"{min(firsts):.2f}x), later turns {geomean(laters):.2f}x (worst {min(laters, default=float('nan')):.2f}x); "
           f"worst turn {worst[0]:.2f}x ({worst[1]})")
     print(f"specchat / plain llama-server (no drafting), geomean over all turns: {geomean(plain):.2f}x")
+    for line in against_each(rows):
+        print(line)
     if also is not None:
         print(f"specchat {a.also} / best llama-server, geomean: first turns {geomean(also_firsts):.2f}x (worst "
               f"{min(also_firsts):.2f}x), later turns {geomean(also_laters):.2f}x (worst "
