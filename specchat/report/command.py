@@ -40,19 +40,16 @@ def measure_again(loaded, console) -> None:
     and replace what the cost cache held for them, observations included."""
     from ..costs import cost_cache_key, recalibrate
     from ..paths import cache_dir
-    from ..runner import activity
+    from ..runner import activity, measuring_notice
 
     backends = {}
     for backend in (loaded.target, getattr(loaded.drafter, "backend", None)):
         if backend is not None:
             backends.setdefault(cost_cache_key(backend), backend)  # a self-pair's draft costs what its target does
 
-    def notify(name: str, seconds: float, again: str) -> None:
-        console.print(f"measuring this machine again for {name} (about {max(1, round(seconds))} s)…", style="dim",
-                      highlight=False)
-
+    notify = measuring_notice(console)  # "measuring this machine again for M (about N s): as asked (--recalibrate)"
     for backend in backends.values():
-        with activity(f"measuring this machine again ({backend.name}); its old costs were kept"):
+        with activity(f"measuring this machine again ({backend.name}); its saved costs were kept"):
             recalibrate(backend, cache_dir() / "costs.json", notify)
 
 
