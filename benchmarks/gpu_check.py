@@ -3,6 +3,8 @@
     python3 benchmarks/gpu_check.py --dry-run   # here: prepare what travels, print it, the command and its time
     python3 benchmarks/gpu_check.py             # on the lent GPU machine, from the repository root
     python3 benchmarks/gpu_check.py --cpu       # here: the same pipeline on the CPU (2 threads, smaller shapes)
+    python3 benchmarks/gpu_check.py --configure-only  # here, and in the test suite: cmake's configure step of the
+                                                # trimmed tree with the GPU build's flags (seconds, nothing built)
 
 What it does, in one process tree:
 1. build: the vendored llama.cpp of llama-cpp-python (carried as a trimmed tarball) with cmake + ninja, shared
@@ -71,8 +73,10 @@ SOURCE_TOP = {"CMakeLists.txt", "LICENSE", "cmake", "common", "examples", "ggml"
 SOURCE_DROP = ("tools/ui/", "tools/server/public/", "tools/server/webui/")
 BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-blas", "ggml-rpc"}
 TARGETS = ("llama-speculative-simple", "llama-bench", "llama")
+# LLAMA_BUILD_SERVER=OFF: the server's CMakeLists add tools/ui, which the trimmed tree drops (SOURCE_DROP), and
+# no table needs a server; `--configure-only` (run by the test suite) configures the trimmed tree with these
 CMAKE_COMMON = ("-G", "Ninja", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_APP=OFF",
-                "-DLLAMA_OPENSSL=OFF", "-DGGML_CCACHE=OFF")
+                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_CCACHE=OFF")
 CMAKE_CUDA = ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90")
 
 PARTS = ("plain", "verify", "draft", "mtp", "lookup", "host", "ckpt")
@@ -160,9 +164,9 @@ def _keep_source(rel: str) -> bool:
                 and parts[2] not in BACKENDS)
 
 
-def prepare(log=print) -> dict:
-    """Fill .gpu-check/carry (the trimmed llama.cpp source, llama-cpp-python's pure-Python part with its version
-    metadata, the wheels, the tokenizer) from this machine; what is there already is kept."""
+def prepare_source(log=print) -> str:
+    """The trimmed llama.cpp source and llama-cpp-python's pure-Python part (with its version metadata) in
+    .gpu-check/carry, from the sdist; kept where they are there already. Returns the version."""
     version = llama_cpp_version()
     CARRY.mkdir(parents=True, exist_ok=True)
     source = CARRY / "llama.cpp.tar.xz"
@@ -191,6 +195,13 @@ def prepare(log=print) -> dict:
         info = python / f"llama_cpp_python-{version}.dist-info"
         info.mkdir(parents=True, exist_ok=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {version}\n")
+    return version
+
+
+def prepare(log=print) -> dict:
+    """Fill .gpu-check/carry (the trimmed llama.cpp source, llama-cpp-python's pure-Python part with its version
+    metadata, the wheels, the tokenizer) from this machine; what is there already is kept."""
+    version = prepare_source(log)
     wheels = CARRY / "wheels"
     wanted = {name: importlib.metadata.version(name) for name in WHEELS}
     have = {p.name.split("-")[0].lower().replace("_", "-") for p in wheels.glob("*.whl")}
@@ -328,14 +339,16 @@ def _link(links: Path, name: str, target: Path) -> Path:
     return link
 
 
-def cuda_args(s: Setup, report: Report) -> tuple[str, ...]:
+def cuda_args(s: Setup, report: Report, placeholder: bool = False) -> tuple[str, ...]:
     """What ggml-cuda links besides the runtime, where the CUDA toolkit lacks it (an image that assembles CUDA
     from pip wheels, as this project's do: nvcc and the runtime only):
     - cuBLAS: the nvidia-cublas wheel PyTorch installed (nvidia/cu13 or nvidia/cublas in this Python's
       site-packages): its headers, and its libraries behind unversioned links in WORK/cuda-links, which the
       build's RPATH then points at;
     - the driver library (for the VMM memory pool): the driver's libcuda.so.1 where the loader knows it,
-      else -DGGML_CUDA_NO_VMM=ON (the pool of plain cudaMalloc blocks)."""
+      else -DGGML_CUDA_NO_VMM=ON (the pool of plain cudaMalloc blocks).
+    `placeholder` (configure only, nothing linked): where no cuBLAS is found, empty files stand in for its
+    libraries, passed the same way, so that cmake's configure step runs as it will there."""
     links = s.work / "cuda-links"
     args: list[str] = []
     nvcc = shutil.which("nvcc")
@@ -344,7 +357,16 @@ def cuda_args(s: Setup, report: Report) -> tuple[str, ...]:
     if not any((Path(r) / "include" / "cublas_v2.h").exists() for r in roots):
         found = [(Path(e) / sub) for e in sys.path for sub in ("nvidia/cu13", "nvidia/cublas", "nvidia/cu12")
                  if (Path(e) / sub / "include" / "cublas_v2.h").exists() and list((Path(e) / sub / "lib").glob("libcublas.so.*"))]
-        if not found:
+        if not found and placeholder:
+            links.mkdir(parents=True, exist_ok=True)
+            for name in ("cublas", "cublasLt"):
+                stand_in = links / f"lib{name}.so"
+                stand_in.unlink(missing_ok=True)
+                stand_in.write_bytes(b"")
+                args.append(f"-DCUDA_{name}_LIBRARY={stand_in}")
+            report("cuBLAS: none here; empty stand-ins for its libraries (configure links nothing; the GPU machine "
+                   "takes PyTorch's nvidia-cublas)")
+        elif not found:
             report("cuBLAS: in neither the CUDA toolkit nor this Python's nvidia packages; the build will fail")
         else:
             include, lib = found[0] / "include", found[0] / "lib"
@@ -367,17 +389,22 @@ def cuda_args(s: Setup, report: Report) -> tuple[str, ...]:
     return tuple(args)
 
 
+def cmake_args(s: Setup, report: Report, placeholder: bool = False) -> tuple[str, ...]:
+    """This check's cmake flags (after vs_llamacpp.CMAKE_BASE): the CUDA backend's too unless --cpu."""
+    return CMAKE_COMMON + (() if s.cpu else CMAKE_CUDA + cuda_args(s, report, placeholder))
+
+
 def build(s: Setup, a, report: Report) -> float:
     """vs_llamacpp.build into WORK/build with this check's flags; seconds taken (0 when it was there)."""
     from vs_llamacpp import build as cmake_build
 
-    cmake_args = CMAKE_COMMON + (() if s.cpu else CMAKE_CUDA + cuda_args(s, report))
+    cmake_args_ = cmake_args(s, report)
     start = time.perf_counter()
     log = s.work / "build.log"
     with output_to(log):  # cmake's output goes to the log, not between the tables
-        cmake_build(a.jobs, TARGETS[0], "build", cmake_args, work=s.work, also=TARGETS[1:])
+        cmake_build(a.jobs, TARGETS[0], "build", cmake_args_, work=s.work, also=TARGETS[1:])
     seconds = time.perf_counter() - start
-    report(f"build: {'reused' if seconds < 5 else f'{seconds:.0f} s'} ({' '.join(cmake_args)}, -j{a.jobs}; "
+    report(f"build: {'reused' if seconds < 5 else f'{seconds:.0f} s'} ({' '.join(cmake_args_)}, -j{a.jobs}; "
            f"log {log})")
     report.keep("build_seconds", round(seconds, 1))
     return seconds
@@ -403,6 +430,40 @@ def device_line(s: Setup) -> str:
                              capture_output=True, text=True)
         return "GPU: " + out.stdout.strip()
     return "GPU: (no nvidia-smi)"
+
+
+def configure_check(a) -> int:
+    """cmake's configure step on the carried, trimmed tree with the flags `build` gives it (seconds, no
+    compiling): a tree trimmed too far, or a flag that no longer fits the vendored CMakeLists, fails here and
+    not on a GPU machine lent once. Without --cpu the CUDA backend is configured too where nvcc exists (cuBLAS
+    stood in for where it is missing, see cuda_args); where it does not (cmake's CUDA language check needs the
+    toolkit) the CUDA flags are left out, and the files that backend builds from must be in the tree.
+    Returns the exit status."""
+    prepare_source()
+    s = Setup(a)
+    report = Report(a.out)
+    extract_source(s)
+    cuda = not s.cpu and shutil.which("nvcc") is not None
+    if not s.cpu and not cuda:
+        s.cpu = True  # the same flags less CMAKE_CUDA and cuda_args
+        missing = [d for d in ("ggml/src/ggml-cuda/CMakeLists.txt", "ggml/src/ggml-cuda/ggml-cuda.cu")
+                   if not (s.work / "llama.cpp" / d).exists()]
+        if missing:
+            report(f"configure: FAILED: the trimmed tree lacks {', '.join(missing)}, which the CUDA build needs")
+            return 1
+        report("configure: no nvcc here, so the CUDA backend's flags are left out (its sources are in the tree)")
+    from vs_llamacpp import CMAKE_BASE, configure
+
+    flags = cmake_args(s, report, placeholder=True)
+    variant = "configure-check"
+    shutil.rmtree(s.work / variant, ignore_errors=True)  # a fresh cache: configure every time, from nothing
+    done = configure(s.work, variant, flags, capture=True)
+    if done.returncode != 0:
+        report(f"configure: FAILED (cmake exit {done.returncode}) with {' '.join(CMAKE_BASE + flags)}:\n"
+               f"{(done.stdout + done.stderr)[-3000:]}")
+        return 1
+    report(f"configure: ok, the trimmed tree ({_shown(CARRY / 'llama.cpp.tar.xz')}) with {' '.join(CMAKE_BASE + flags)}")
+    return 0
 
 
 # --------------------------------------------------------------------------------------------- the runs
@@ -705,6 +766,8 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--dry-run", action="store_true", help="prepare the carried folder here, print it, the command "
                     "and its estimated time; run nothing else")
     ap.add_argument("--prepare", action="store_true", help="only fill .gpu-check/carry (sdist, wheels, tokenizer)")
+    ap.add_argument("--configure-only", action="store_true", help="cmake's configure step of the carried, trimmed "
+                    "tree with the build's flags (seconds; the CUDA flags where nvcc exists), nothing built")
     ap.add_argument("--work", type=Path, help="build, models and scratch (default: .gpu-check/gpu, ignored, so a "
                     "second command on the still-warm machine finds them; .gpu-check/cpu with --cpu); an existing "
                     "build and models are reused")
@@ -733,6 +796,8 @@ def parse(argv: list[str] | None = None):
         raise Usage(f"--budget must be a positive number of seconds, not {a.budget:g}")
     if a.dry_run and a.cpu:
         raise Usage("--dry-run describes the GPU command; it takes no --cpu")
+    if sum((a.dry_run, a.prepare, a.configure_only)) > 1:
+        raise Usage("choose one of --dry-run, --prepare and --configure-only")
     a.n = a.n or (32 if a.cpu else 128)
     a.reps = a.reps or 1
     a.threads = a.threads or (2 if a.cpu else 8)
@@ -766,6 +831,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.prepare:
         print(json.dumps(prepare(), indent=1))
         return
+    if a.configure_only:
+        sys.exit(configure_check(a))
     if not (CARRY / "llama.cpp.tar.xz").exists():
         if a.cpu:
             prepare()

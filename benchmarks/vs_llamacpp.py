@@ -86,33 +86,44 @@ def build(jobs: int, target: str = "llama-speculative-simple", variant: str = "b
     binary = work / variant / "bin" / target
     if all((binary.parent / t).exists() or (binary.parent / f"lib{t}.so").exists() for t in (target, *also)):
         return binary
-    work.mkdir(parents=True, exist_ok=True)
+    configure(work, variant, cmake_args)
+    subprocess.run(
+        ["cmake", "--build", str(work / variant), "--target", target, *also, f"-j{jobs}"], check=True
+    )
+    return binary
+
+
+# every build of llama.cpp's tools; `cmake_args` come after these, so a caller's -D wins
+CMAKE_BASE = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON",
+              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF")
+
+
+def configure(work: Path, variant: str = "build", cmake_args: tuple[str, ...] = (),
+              capture: bool = False) -> subprocess.CompletedProcess:
+    """cmake's configure step of work/llama.cpp into work/variant (the source unpacked from the sdist first
+    where work has none). `capture`: return cmake's output instead of raising on failure."""
     source = work / "llama.cpp"
-    sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) if not source.exists() else None
-    if sdist is None and not source.exists():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={llama_cpp_version()}", "-d", str(work)],
-            check=True,
-        )
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
     if not source.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
+        if sdist is None:
+            # --no-binary on the one package: ":all:" would build cmake and ninja from source too
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                 f"llama-cpp-python=={llama_cpp_version()}", "-d", str(work)],
+                check=True,
+            )
+            sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
         prefix = f"{sdist.name[: -len('.tar.gz')]}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(source, members=[m for m in members if m.name], filter="data")
-    subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(work / variant), "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
-         *cmake_args],
-        check=True,
-    )
-    subprocess.run(
-        ["cmake", "--build", str(work / variant), "--target", target, *also, f"-j{jobs}"], check=True
-    )
-    return binary
+    command = ["cmake", "-S", str(source), "-B", str(work / variant), *CMAKE_BASE, *cmake_args]
+    if capture:
+        return subprocess.run(command, capture_output=True, text=True)
+    return subprocess.run(command, check=True)
 
 
 # A build whose batch logits equal single-token ones, bit for bit (lookup_unseen.py and chat_server.py

@@ -182,3 +182,28 @@ def test_bad_options_are_one_line_and_exit_2(args, capsys):
     err = capsys.readouterr().err
     assert done.value.code == 2
     assert err.startswith("gpu_check: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_trimmed_tree_configures_as_the_gpu_build_will(tmp_path):
+    """cmake's configure step of the tree the GPU command carries, with the flags its build uses (CUDA's left
+    out here: no nvcc): a tree trimmed too far fails here, not on a GPU machine lent once. The first run trims
+    the sdist into .gpu-check/carry (downloaded once, kept like the GPU command's own carry)."""
+    import subprocess
+
+    from vs_llamacpp import configure
+
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--configure-only", "--work",
+                           str(tmp_path / "work"), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "configure: ok" in done.stdout and "-DLLAMA_BUILD_SERVER=OFF" in done.stdout
+    # the control: the same tree with the server's CMakeLists on (its tools/ui is trimmed away) does not configure
+    control = configure(tmp_path / "work", "control", gpu_check.CMAKE_COMMON + ("-DLLAMA_BUILD_SERVER=ON",),
+                        capture=True)
+    assert control.returncode != 0 and '"ui" which is not an existing directory' in control.stderr
+
+
+def test_configure_only_goes_alone(capsys):
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(["--configure-only", "--dry-run"])
+    assert done.value.code == 2 and "choose one of" in capsys.readouterr().err
