@@ -455,6 +455,8 @@ def chat_command(
         if resumed is not None:
             transcript = Transcript(resume)
             transcript.records = resumed.records
+            if resumed.torn is not None:
+                transcript.drop_torn_tail(resumed.torn)
             system = system or resumed.system
         else:
             transcript = Transcript.new()  # a file of its own, or a warning in the header
@@ -488,6 +490,8 @@ def restore(session: ChatSession, resumed: Resumed | list[dict]) -> None:
     if not isinstance(resumed, Resumed):
         resumed = Resumed(None, list(resumed), [])
     turns = resumed.turns
+    if resumed.torn is not None:
+        session.notice(resumed.torn.describe(session.transcript.path), "spec.error")
     for m in turns:
         who = "›" if m["role"] == "user" else " "
         style = "spec.user" if m["role"] == "user" else "spec.legend"

@@ -50,6 +50,7 @@ class Transcript:
         self.path = Path(path).expanduser() if path is not None else None
         self.records: list[dict] = []
         self.error = error
+        self._at_line_start = False  # checked before the first append: the file may end in a torn line
 
     @classmethod
     def new(cls) -> Transcript:
@@ -70,15 +71,34 @@ class Transcript:
         self.records.append(record)
         if not self.saving:
             return None
+        line = json.dumps(record, ensure_ascii=False) + "\n"
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                if not self._at_line_start:
+                    # a file whose last write was cut (kill -9, a full disk) may end mid-line: start ours on
+                    # a line of its own, so that it is never glued onto the cut one
+                    if f.tell() > 0 and _last_byte(self.path) != b"\n":
+                        line = "\n" + line
+                    self._at_line_start = True
+                f.write(line)
                 f.flush()
         except OSError as e:
             self.error = _reason(e, self.path)
             return self.error
         return None
+
+    def drop_torn_tail(self, torn: Torn) -> None:
+        """Cut a torn last line (read_transcript found it) off the file, as a journal drops a torn last record,
+        unless the file changed since it was read. A file that cannot be cut keeps it: the next record still
+        starts on a line of its own (write), and --resume drops the torn line again."""
+        if self.path is None:
+            return
+        try:
+            if self.path.stat().st_size == torn.size:
+                os.truncate(self.path, torn.offset)
+        except OSError:
+            pass
 
     def discard(self) -> None:
         """Remove the file if nothing was ever written to it (a chat that ended before its first message)."""
@@ -98,10 +118,29 @@ class Transcript:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
 def _reason(e: OSError, where: Path) -> str:
     text = e.strerror or str(e)
     name = e.filename if isinstance(e.filename, str) else str(where)
     return f"{text}: {name}"
+
+
+@dataclass
+class Torn:
+    """A last line cut mid-write: no newline after it and no record in it."""
+
+    line: int  # its line number
+    offset: int  # the byte it starts at: the file holds whole lines up to here
+    size: int  # the file's size when it was read
+
+    def describe(self, path: Path) -> str:
+        return (f"dropped the torn last line of {path} (line {self.line}, {self.size - self.offset} bytes cut "
+                f"mid-write); every message before it is restored")
 
 
 @dataclass
@@ -113,6 +152,7 @@ class Resumed:
     records: list[dict]  # every record, as read
     skipped: list[str] = field(default_factory=list)  # messages that could not be paired, described
     pending: str | None = None  # a last user message that has no reply (the process died mid-turn)
+    torn: Torn | None = None  # a last line cut mid-write, left out
 
     def __iter__(self):  # (system, turns, records), as load_transcript has always returned
         return iter((self.system, self.turns, self.records))
@@ -127,23 +167,35 @@ def read_transcript(path: Path) -> Resumed:
     message followed by another user message, or an assistant message with no user message before it
     (two sessions once wrote one file), cannot be paired: it is left out and listed in `skipped`. A user
     message whose turn failed (a `dropped` record follows it) is left out silently; a last user message
-    with no reply is kept as `pending`."""
+    with no reply is kept as `pending`.
+
+    A last line with no newline after it that holds no record was cut mid-write (the process was killed, the
+    disk was full): it is left out and described in `torn`. Damage anywhere else is a UserError."""
     path = Path(path).expanduser()
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"--resume: no such transcript: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise UserError(f"--resume: cannot read {path}: {e}") from None
     system, turns, records, skipped = None, [], [], []
     pending: tuple[int, str] | None = None  # (line, content)
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    torn: Torn | None = None
+    lines = data.split(b"\n")  # the last item is what follows the last newline: b"" in a whole file
+    offset = 0
+    for n, raw in enumerate(lines, 1):
+        start, offset = offset, offset + len(raw) + 1
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode("utf-8"))
             role, content = record["role"], record["content"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+            if n == len(lines):  # no newline after it: the write was cut
+                torn = Torn(n, start, len(data))
+                break
+            if isinstance(e, UnicodeDecodeError):
+                raise UserError(f"--resume: cannot read {path}:{n}: {e}") from None
             raise UserError(f"--resume: {path}:{n}: not a transcript line (want a JSON object with role and content)") from None
         if not isinstance(content, str):
             raise UserError(f"--resume: {path}:{n}: content must be a string")
@@ -162,7 +214,7 @@ def read_transcript(path: Path) -> Resumed:
                 pending = None
         elif role == "dropped":
             pending = None  # that turn failed and was dropped; the chat said so at the time
-    return Resumed(system, turns, records, skipped, pending[1] if pending is not None else None)
+    return Resumed(system, turns, records, skipped, pending[1] if pending is not None else None, torn)
 
 
 def load_transcript(path: Path) -> Resumed:

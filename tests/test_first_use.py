@@ -345,6 +345,56 @@ def test_resume_of_a_truncated_transcript_keeps_the_unanswered_message(cli, fake
     assert again.skipped == ["line 3 (a message with no reply)"]
 
 
+@pytest.mark.parametrize("cut", [b'{"role": "assistant", "content": "torn rep', '{"role": "user", "content": "ü'.encode()[:-1]],
+                         ids=["mid-record", "mid-character"])
+def test_resume_drops_a_torn_last_line_and_the_file_stays_well_formed(cli, fake_models, tmp_path, cut):
+    # killed while writing line 5: the bytes before it are whole lines, line 5 is cut and has no newline
+    path = _write(tmp_path / "torn.jsonl", [("user", "q one"), ("assistant", "a one"), ("user", "q two"),
+                                             ("assistant", "a two")])
+    whole = path.read_bytes()
+    path.write_bytes(whole + cut)
+    resumed = transcript.read_transcript(path)
+    assert resumed.exchanges == 2 and resumed.pending is None and resumed.skipped == []
+    assert (resumed.torn.line, resumed.torn.offset) == (5, len(whole))
+    result = cli("chat", "--resume", str(path), "-n", "4", stdin="q three\n", home=tmp_path / "home")
+    assert result.returncode == 0, result.stderr
+    shown = " ".join(result.stderr.split())
+    assert f"dropped the torn last line of {path} (line 5, {len(cut)} bytes cut mid-write)" in shown
+    assert "resumed 2 exchanges (" in shown
+    # the torn bytes are gone and the new turn starts on a line of its own: every line a record again
+    data = path.read_bytes()
+    assert data.startswith(whole) and cut not in data and data.endswith(b"\n")
+    assert [r["role"] for r in records(path)] == ["user", "assistant"] * 3
+    again = transcript.read_transcript(path)
+    assert again.exchanges == 3 and again.torn is None
+
+
+def test_a_record_written_after_an_unterminated_last_line_starts_a_line_of_its_own(tmp_path):
+    # cut just before its newline the last record is whole: it is kept, and the next one is not glued onto it
+    path = _write(tmp_path / "t.jsonl", [("user", "q one"), ("assistant", "a one")])
+    path.write_bytes(path.read_bytes()[:-1])
+    resumed = transcript.read_transcript(path)
+    assert resumed.exchanges == 1 and resumed.torn is None
+    log = transcript.Transcript(path)
+    log.write({"role": "user", "content": "q two"})
+    log.write({"role": "assistant", "content": "a two"})
+    assert [r["content"] for r in records(path)] == ["q one", "a one", "q two", "a two"]
+
+
+@pytest.mark.parametrize("damage", [
+    b'{"role": "user", "content": "q one"}\nnot json\n{"role": "assistant", "content": "a"}\n',  # in the middle
+    b'{"role": "user", "content": "q one"}\n{"role": "assistant", "cont\n',  # the last line, but whole
+    b'{"role": "user", "content": "q"}\n{"role": "assistant", "content": "a\xff"}\n{"role": "user", "content": "q"}\n',  # not UTF-8, not last
+], ids=["middle", "last-line-terminated", "bad-bytes"])
+def test_damage_other_than_a_torn_last_line_is_one_line_exit_2(cli, fake_models, tmp_path, damage):
+    path = tmp_path / "damaged.jsonl"
+    path.write_bytes(damage)
+    result = cli("chat", "--resume", str(path), "-n", "4", stdin="", home=tmp_path / "home")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and f"{path}:2" in result.stderr
+    assert path.read_bytes() == damage  # nothing changed
+
+
 # -- rows 5 and 6: SIGTERM and a decode failure end a turn cleanly ---------------------------------------
 
 
