@@ -110,7 +110,7 @@ def _environment():
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import SandboxedEnvironment
 
     class GenerationBlocks(Extension):
         """`{% generation %}...{% endgeneration %}` (HF's mask for training) renders its body, as in llama.cpp."""
@@ -122,8 +122,23 @@ def _environment():
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body, lineno=lineno)
 
-    env = ImmutableSandboxedEnvironment(
-        loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+    class LlamaUndefined(jinja2.ChainableUndefined):
+        """llama.cpp's undefined: a member or item of it is undefined again, and it joins a string as ""."""
+
+    class LlamaEnvironment(SandboxedEnvironment):  # lists may grow (append, pop), as in llama.cpp
+        intercepted_binops = frozenset({"+"})
+
+        def call_binop(self, context, operator, left, right):
+            # llama.cpp: a string + none / undefined (either side) is the string (workaround_concat_null_with_str)
+            if operator == "+":
+                if isinstance(left, str) and (right is None or isinstance(right, jinja2.Undefined)):
+                    return left
+                if isinstance(right, str) and (left is None or isinstance(left, jinja2.Undefined)):
+                    return right
+            return super().call_binop(context, operator, left, right)
+
+    env = LlamaEnvironment(
+        loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True, undefined=LlamaUndefined,
         extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do", GenerationBlocks],
     )
     env.globals["raise_exception"] = _raise_exception
