@@ -278,6 +278,7 @@ class LlamaCppBackend:
             n_gpu_layers = -1 if self.rpc else default_gpu_layers()
         self.path = path
         self.name = name or path.name
+        self.chat_format = None  # template.ChatFormat: the loader's choice of chat template (None: the GGUF's)
         self.outputs = outputs
         self.reserved_outputs = outputs_to_reserve(path, outputs, n_ctx, n_batch, swa_full)
         # what -fa auto means here (see flash_attn_for); `flash_attn` stays what was asked, for a reload elsewhere

@@ -12,10 +12,11 @@ then the file given on the command line.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from .errors import SpecchatError
 
 
 SOURCE_KEYS = ("path", "hub", "package", "parts")
-_MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description", "rpc"}
+TEMPLATE_KEYS = ("chat_template", "chat_template_file", "chat_template_kwargs")
+_MODEL_KEYS = {*SOURCE_KEYS, "file", "assemble", "size", "sha256", "description", "rpc", *TEMPLATE_KEYS}
 _PAIR_KEYS = {"target", "draft", "description", "rpc", "lookup"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -73,6 +75,11 @@ class ModelSpec:
     description: str = ""
     origin: str = ""  # the toml file that defined it; "" for a model named on the command line
     rpc: tuple[str, ...] = ()  # RPC workers (HOST:PORT) that hold this model's offloaded layers
+    # its chat template instead of the GGUF's, as --chat-template / --chat-template-file take it (a file's
+    # path made absolute), and variables for it (--chat-template-kwargs); the loader reads and checks them
+    chat_template: str | None = None
+    chat_template_file: str | None = None
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +292,37 @@ class _File:
         return value
 
     def model_spec(self, name: str, body: Any) -> ModelSpec:
+        spec = self._model_source(name, body)
+        return replace(spec, **self.template_keys(body, ("models", name)))
+
+    def template_keys(self, body: dict, keys: tuple[str, ...]) -> dict[str, Any]:
+        """chat_template (a llama.cpp built-in name or Jinja text) or chat_template_file (a path, relative
+        to this file), and chat_template_kwargs (a table, or a JSON object as a string)."""
+        out: dict[str, Any] = {}
+        given = [k for k in ("chat_template", "chat_template_file") if k in body]
+        if len(given) > 1:
+            raise self.error(keys + (given[1],), "give chat_template or chat_template_file, not both")
+        for key in given:
+            value = self.get(body, keys, key, str)
+            if not value.strip():
+                raise self.error(keys + (key,), "must not be empty")
+            out[key] = self._relative(value) if key == "chat_template_file" else value
+        if "chat_template_kwargs" in body:
+            value = body["chat_template_kwargs"]
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise self.error(keys + ("chat_template_kwargs",), f"not valid JSON ({e.msg})") from None
+            if not isinstance(value, dict):
+                raise self.error(keys + ("chat_template_kwargs",),
+                                 'must be a table, e.g. { enable_thinking = false }, or a JSON object as a string')
+            if "enable_thinking" in value and not isinstance(value["enable_thinking"], bool):
+                raise self.error(keys + ("chat_template_kwargs",), "enable_thinking must be true or false")
+            out["chat_template_kwargs"] = value
+        return out
+
+    def _model_source(self, name: str, body: Any) -> ModelSpec:
         keys = ("models", name)
         self.check_entry("models", name, body, _MODEL_KEYS)
         if kinds.by_word(name) is not None:

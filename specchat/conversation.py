@@ -37,7 +37,7 @@ from .engine import MAX_TOKENS, Finished, StepEvent, TokenEvent, generate
 from .policy import Policy
 from .sampling import SamplingParams
 from .stats import RunStats
-from .template import FALLBACK_STOP, render_text, tokenize_rendered
+from .template import FALLBACK_STOP, has_template, render_text, tokenize_rendered
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Conversation:
         self.rng = np.random.default_rng(self.params.seed)
         self.system = system or None
         self.turns: list[dict] = []  # user / assistant messages, alternating, oldest first
-        self.templated = bool(target.chat_template)
+        self.templated = has_template(target)
         self._text = ""  # what the target has seen, as text ...
         self._ids: list[int] = []  # ... and as the exact ids
 

@@ -20,7 +20,7 @@ from .memory import MAX_SNAPSHOTS
 from .paths import cache_dir
 from .policy import DRAFT_MAX, AcceptanceStore, AdaptivePolicy, FixedPolicy, Policy
 from .sources import resolve
-from .template import render
+from .template import ChatFormat, choose_format, render, template_from_file, template_from_text
 
 
 def default_threads() -> int:
@@ -47,6 +47,9 @@ class LoadOptions:
     # --draft-max: a recurrent target keeps this many state snapshots (at most MAX_SNAPSHOTS) where its
     # architecture supports them, so a verify batch of up to that many drafts is cut back without a copy
     draft_max: int = MAX_SNAPSHOTS
+    # --chat-template / --chat-template-file (None: models.toml's, else the GGUF's) and --chat-template-kwargs
+    chat_template: ChatFormat | None = None
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Loaded:
             retarget = getattr(drafter, "retarget", None)
             if retarget is not None:
                 retarget(local)
+        local.chat_format = getattr(remote, "chat_format", None)
         if gone:
             rpc_workers.abandon(remote)
         else:
@@ -231,6 +235,7 @@ def load(
         rpc=rpc, flash_attn=opts.flash_attn, snapshots=min(max(opts.draft_max, 0), MAX_SNAPSHOTS),
         outputs=max(opts.draft_max, 0) + 1 if planned else 1, **target_options,
     )
+    target.chat_format = target_format(target, target_spec, opts)
     built: list[tuple[Drafter, str]] = []
     try:
         if not planned:
@@ -263,6 +268,20 @@ def load(
                 drafter.backend.close()
         target.close()
         raise
+
+
+def target_format(target: Backend, spec: ModelSpec, opts: LoadOptions) -> ChatFormat:
+    """The flags' chat template, else the model's in models.toml, else the GGUF's; kwargs likewise (the
+    flag's over the file's, key by key)."""
+    configured = None
+    if opts.chat_template is None:  # models.toml's is read only when it is used
+        where = f"{spec.origin} [models.{spec.name}]"
+        if spec.chat_template_file:
+            configured = template_from_file(spec.chat_template_file, f"{where} chat_template_file")
+        elif spec.chat_template:
+            configured = template_from_text(spec.chat_template, f"{where} chat_template")
+    return choose_format(target.chat_template, chosen=opts.chat_template, configured=configured,
+                         kwargs=opts.chat_template_kwargs, configured_kwargs=spec.chat_template_kwargs)
 
 
 def _cannot_cut(backend: Backend) -> str:

@@ -53,6 +53,18 @@ NoSpec = Annotated[
     bool,
     typer.Option("--no-spec", help="Target-only decoding through the same code path (the baseline).", rich_help_panel=SPEC),
 ]
+ChatTemplate = Annotated[
+    str | None,
+    typer.Option("--chat-template", help="The target's chat template instead of its own: one of llama.cpp's built-in names (chatml, llama3, gemma, ...) or Jinja text.", rich_help_panel=MODELS, show_default=False),
+]
+ChatTemplateFile = Annotated[
+    str | None,
+    typer.Option("--chat-template-file", help="The target's chat template from a Jinja file (e.g. llama.cpp's models/templates/*.jinja).", rich_help_panel=MODELS, show_default=False),
+]
+ChatTemplateKwargs = Annotated[
+    str | None,
+    typer.Option("--chat-template-kwargs", help="""Variables for the chat template, a JSON object, as llama.cpp takes them: '{"enable_thinking": false}' turns a thinking model's thinking off.""", rich_help_panel=MODELS, show_default=False),
+]
 MaxTokens = Annotated[
     int,
     typer.Option("-n", "--max-tokens", "--n-predict", min=1, help="Most tokens to generate.", rich_help_panel=SAMPLING),
@@ -156,6 +168,9 @@ class RunArgs:
     spec_type: SpecType = None
     pair: Pair = None
     no_spec: NoSpec = False
+    chat_template: ChatTemplate = None
+    chat_template_file: ChatTemplateFile = None
+    chat_template_kwargs: ChatTemplateKwargs = None
     max_tokens: MaxTokens = MAX_TOKENS
     temp: Temp = _SAMPLING.temperature
     top_k: TopK = _SAMPLING.top_k

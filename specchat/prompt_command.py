@@ -17,7 +17,7 @@ from .crossvocab import rule_info, rule_label
 from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
 from .runner import RunOptions, check_text, loading, measuring, read_prompt, run_options
-from .template import render
+from .template import has_template, render
 
 
 @opt.run_args()
@@ -42,7 +42,7 @@ def prompt_command(
     text = read_prompt(text)
     err = ui.make_console(stderr=True, no_color=no_color)  # no_color=False still honours NO_COLOR
     with loading(config, run, err) as loaded:
-        if raw or not loaded.target.chat_template:
+        if raw or not has_template(loaded.target):
             prompt_ids = loaded.target.tokenize(text, add_special=True)
             stops = list(run.stop)
         else:

@@ -136,6 +136,7 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         # a reproducible run needs a seed: 0 unless given
         seed=0 if args.reproducible and args.seed is None else args.seed,
     )
+    chat_template, chat_template_kwargs = template_options(args)
     chain = spec_types(args.spec_type, args.draft)
     selection = select(config, pair=args.pair, target=args.target, draft=args.draft,
                        no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid, spec_types=chain)
@@ -146,12 +147,33 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         draft_p_min=args.draft_p_min, draft_min=args.draft_min, lookup_min=args.lookup_min,
         lookup_max=args.lookup_max, lookup_history=args.lookup_history, cross_vocab=cross_vocab,
         rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn, draft_max=args.draft_max,
+        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
     )
 
     if args.reproducible:  # earlier replies change what lookup drafts from run to run
         load_opts.lookup_history = False
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
                       stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible)
+
+
+def template_options(args: RunArgs):
+    """--chat-template / --chat-template-file (one of them) and --chat-template-kwargs, read and checked
+    before any model loads: a mistake is one line."""
+    from .template import parse_kwargs, template_from_file, template_from_text
+
+    if args.chat_template is not None and args.chat_template_file is not None:
+        raise UserError("give --chat-template or --chat-template-file, not both")
+    chosen = None
+    if args.chat_template is not None:
+        if not args.chat_template.strip():
+            raise UserError("--chat-template: empty; give a built-in name (chatml, llama3, ...) or Jinja text")
+        chosen = template_from_text(check_text(args.chat_template, "--chat-template"))
+    elif args.chat_template_file is not None:
+        chosen = template_from_file(args.chat_template_file)
+    kwargs = None
+    if args.chat_template_kwargs is not None:
+        kwargs = parse_kwargs(check_text(args.chat_template_kwargs, "--chat-template-kwargs"))
+    return chosen, kwargs
 
 
 def spec_types(text: str | None, draft: str | None) -> tuple[DrafterKind, ...]:

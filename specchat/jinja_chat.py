@@ -1,0 +1,421 @@
+"""Chat templates rendered as llama.cpp renders them (llama-server --jinja, POST /apply-template).
+
+llama.cpp is the reference: a GGUF's template was written for Python's Jinja, but what a model served by
+llama.cpp sees is what llama.cpp's own engine (common/jinja) makes of it, with the inputs and workarounds
+of common/chat.cpp. This module gives a template exactly those inputs, in Python's Jinja:
+
+- the variables: `messages`, `bos_token` / `eos_token` (the model's token texts), `enable_thinking`
+  (always set), `add_generation_prompt` (set only when true: absent otherwise, as llama.cpp leaves it),
+  `datetime` ("%b %d %Y") and `date_string` ("%d %b %Y"), then the chat-template kwargs over all of them;
+  `tools` stays undefined when there are none, so a tool-use template loops over nothing;
+- the functions and filters: `raise_exception`, `strftime_now` (local time, as llama.cpp's), `tojson`
+  without HTML escaping, `{% generation %}` blocks as plain text;
+- the message rewrites: content always a string ("" when empty) and, for a template that only reads
+  typed content, a list of text parts; `reasoning_content` when the turn has a thought (gpt-oss and LFM2
+  read it as `thinking`, Ministral 3 as a "thinking" part); a system message folded into the first user
+  turn ("system\\nuser") where the template ignores the system role, dropped where it stands alone;
+  StepFun's contents trimmed; the two source patches llama.cpp applies (gpt-oss, Mistral [TOOL_CALLS]);
+- the output rules: a leading BOS cut when the model adds its own, a trailing EOS when it adds that;
+  gpt-oss's last "<|return|>" made "<|end|>" when no generation prompt follows.
+
+Which roles and content shapes a template reads is found the way llama.cpp finds it (common/jinja/caps.cpp):
+render probe conversations and watch which fields the template reads. The thinking default is llama.cpp's
+too: on where the template renders thinking on and off differently.
+
+Kept out (tested nowhere here, so not claimed): tool calls and tool results in the history, tool lists,
+continuing a final assistant message, media parts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+# llama.cpp's template when a model has none and `chatml` is asked for by name (common/chat.cpp)
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\n' -}}\n"
+    "{%- endif -%}"
+)
+
+# Source patches llama.cpp applies before parsing (common_chat_templates_init): each disables a check that
+# refuses conversations llama.cpp sends.
+_SOURCE_PATCHES = (
+    ("<|channel|>", "in message.content or",
+     "{%- if \"<|channel|>analysis<|message|>\" in message.content or "
+     "\"<|channel|>final<|message|>\" in message.content %}",
+     "{%- if false %}"),
+    ("[TOOL_CALLS]", "if (message['content'] is none or",
+     "{%- if (message['content'] is none or message['content'] == '' or "
+     "message['content']|length == 0) and (message['tool_calls'] is not defined or "
+     "message['tool_calls'] is none or message['tool_calls']|length == 0) %}",
+     "{%- if false %}"),
+)
+
+
+class TemplateRenderError(Exception):
+    """The template raised (raise_exception, a Jinja error); the message is llama.cpp-like, one line."""
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What a template reads, found by probing it as llama.cpp does (common/jinja/caps.cpp)."""
+
+    system_role: bool = True
+    string_content: bool = True
+    typed_content: bool = False
+
+
+def patch_source(source: str) -> str:
+    for marker, needle, old, new in _SOURCE_PATCHES:
+        if marker in source and needle in source:
+            source = source.replace(old, new)
+    return source
+
+
+# -- the Jinja environment ------------------------------------------------------------------------------
+
+def _raise_exception(message: str):
+    raise TemplateRenderError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, separators=None, sort_keys: bool = False):
+    # llama.cpp's tojson: ", " between items without indent, "," with; ": " after keys; no HTML escaping
+    item_sep = (separators[0] if separators else None) or ("," if indent is not None else ", ")
+    key_sep = separators[1] if separators and len(separators) > 1 else ": "
+    return json.dumps(_plain(value), indent=indent, ensure_ascii=ensure_ascii, separators=(item_sep, key_sep),
+                      sort_keys=sort_keys)
+
+
+def _plain(value: Any) -> Any:
+    """Watched probe values back to plain ones (json.dumps takes dict/list/str subclasses, but be explicit)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in dict.items(value)} if isinstance(value, dict) else {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, str):
+        return str(value)
+    return value
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import SandboxedEnvironment
+
+    class GenerationBlocks(Extension):
+        """`{% generation %}...{% endgeneration %}` (HF's mask for training) renders its body, as in llama.cpp."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    class LlamaUndefined(jinja2.ChainableUndefined):
+        """llama.cpp's undefined: a member or item of it is undefined again, and it joins a string as ""."""
+
+    class LlamaEnvironment(SandboxedEnvironment):  # lists may grow (append, pop), as in llama.cpp
+        intercepted_binops = frozenset({"+"})
+
+        def call_binop(self, context, operator, left, right):
+            # llama.cpp: a string + none / undefined (either side) is the string (workaround_concat_null_with_str)
+            if operator == "+":
+                if isinstance(left, str) and (right is None or isinstance(right, jinja2.Undefined)):
+                    return left
+                if isinstance(right, str) and (left is None or isinstance(left, jinja2.Undefined)):
+                    return right
+            return super().call_binop(context, operator, left, right)
+
+    env = LlamaEnvironment(
+        loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True, undefined=LlamaUndefined,
+        extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do", GenerationBlocks],
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson
+    # the probes' watched contents record a type test and a selectattr, as llama.cpp's stats do
+    is_string = env.tests["string"]
+    selectattr = env.filters["selectattr"]
+
+    def watched_is_string(value):
+        if isinstance(value, (_WatchedStr, _WatchedList)):
+            value.ops.add("test_is_string")
+        return is_string(value)
+
+    @jinja2.pass_context
+    def watched_selectattr(context, value, *args, **kwargs):
+        if isinstance(value, (_WatchedStr, _WatchedList)):
+            value.ops.add("selectattr")
+        return selectattr(context, value, *args, **kwargs)
+
+    env.tests["string"] = watched_is_string
+    env.filters["selectattr"] = watched_selectattr
+    return env
+
+
+@lru_cache(maxsize=64)
+def _compile(source: str):
+    return _environment().from_string(source)
+
+
+def compile_template(source: str):
+    """The parsed template; a syntax error becomes TemplateRenderError."""
+    import jinja2
+
+    try:
+        return _compile(patch_source(source))
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateRenderError(f"line {e.lineno}: {e.message}") from None
+
+
+def _execute(source: str, variables: Mapping[str, Any], now: _dt.datetime) -> str:
+    import jinja2
+
+    template = compile_template(source)
+    variables = dict(variables)
+    variables.setdefault("strftime_now", lambda fmt: now.strftime(fmt))
+    try:
+        return template.render(**variables)
+    except TemplateRenderError:
+        raise
+    except jinja2.TemplateError as e:
+        raise TemplateRenderError(str(e)) from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+        raise TemplateRenderError(f"{type(e).__name__}: {e}") from None
+
+
+# -- capability probes (common/jinja/caps.cpp) -----------------------------------------------------------
+
+class _WatchedDict(dict):
+    """A message that records which of its fields the template reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+class _WatchedStr(str):
+    """A string content that records being indexed or iterated as a list would be. Iterating fails, as
+    llama.cpp's `for` over a string does."""
+
+    ops: set[str]
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, bool)):
+            self.ops.add("array_access")
+        return str.__getitem__(self, index)
+
+    def __iter__(self):
+        self.ops.add("array_access")
+        raise TypeError("Expected iterable or object type in for loop: got String")
+
+
+class _WatchedList(list):
+    ops: set[str]
+
+    def __getitem__(self, index):
+        self.ops.add("array_access")
+        return list.__getitem__(self, index)
+
+    def __iter__(self):
+        self.ops.add("array_access")
+        return list.__iter__(self)
+
+
+def _probe(source: str, messages: list) -> tuple[bool, str]:
+    variables = {"messages": messages, "tools": [], "bos_token": "", "eos_token": "", "add_generation_prompt": True}
+    try:
+        return True, _execute(source, variables, _dt.datetime.now())
+    except TemplateRenderError:
+        return False, ""
+
+
+@lru_cache(maxsize=64)
+def template_caps(source: str) -> Caps:
+    """System role and content shapes as llama.cpp's caps_get finds them."""
+    string_content, typed_content = True, False
+    marker = _WatchedStr("STRING_MARKER")
+    marker.ops = set()
+    ok, out = _probe(source, [_WatchedDict(role="user", content=marker)])
+    checks_for_string = "test_is_string" in marker.ops
+    as_array = bool(marker.ops & {"selectattr", "array_access"})
+    if as_array:
+        typed_content = True
+    if not ok or (as_array and "STRING_MARKER" not in out):
+        string_content = False
+    if checks_for_string:
+        parts = _WatchedList()
+        parts.ops = set()
+        ok, _ = _probe(source, [_WatchedDict(role="user", content=parts)])
+        if ok and parts.ops & {"selectattr", "array_access"}:
+            typed_content = True
+
+    system = _WatchedDict(role="system", content="System message")
+    _probe(source, [system, _WatchedDict(role="user", content="User message")])
+    return Caps(system_role="content" in system.read, string_content=string_content, typed_content=typed_content)
+
+
+# -- messages as llama.cpp hands them over ----------------------------------------------------------------
+
+def oaicompat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """specchat's messages as common_chat_msg::to_json_oaicompat writes them: role, content ("" when
+    empty), reasoning_content only when there is a thought."""
+    out = []
+    for m in messages:
+        msg = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("reasoning_content"):
+            msg["reasoning_content"] = m["reasoning_content"]
+        out.append(msg)
+    return out
+
+
+def _normalize_content(messages: list[dict], caps: Caps) -> list[dict]:
+    if caps.typed_content and not caps.string_content:
+        return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+                for m in messages]
+    return messages
+
+
+def _fold_system(messages: list[dict]) -> list[dict]:
+    """llama.cpp's system_message_not_supported: the system text joins the next message with a newline."""
+    if messages and messages[0]["role"] == "system":
+        if len(messages) > 1:
+            second = dict(messages[1])
+            second["content"] = f"{messages[0]['content']}\n{second['content']}"
+            return [second, *messages[2:]]
+        return messages[1:]
+    return messages
+
+
+def _is_gpt_oss(source: str) -> bool:
+    return "<|channel|>" in source
+
+
+def _is_lfm2(source: str) -> bool:
+    return ("<|tool_list_start|>" in source and "<|tool_list_end|>" in source) or (
+        "List of tools: [" in source and "<|tool_list_start|>" not in source)
+
+
+def _is_ministral3(source: str) -> bool:
+    return all(s in source for s in ("[SYSTEM_PROMPT]", "[TOOL_CALLS]", "[ARGS]")) and "[CALL_ID]" not in source
+
+
+def _is_stepfun(source: str) -> bool:
+    return "You have access to the following functions in JSONSchema format" in source
+
+
+def _messages_override(source: str, messages: list[dict]) -> list[dict] | None:
+    """The specialised handlers that hand the template their own messages (common/parsers/*.cpp)."""
+    if _is_ministral3(source):
+        out = []
+        for m in messages:
+            if m["role"] not in ("system", "assistant"):
+                out.append(m)
+                continue
+            content = []
+            if isinstance(m.get("reasoning_content"), str):
+                content.append({"type": "thinking", "thinking": m["reasoning_content"]})
+            if isinstance(m.get("content"), str):
+                content.append({"type": "text", "text": m["content"]})
+            elif isinstance(m.get("content"), list):
+                content.extend(m["content"])
+            adjusted = {k: v for k, v in m.items() if k != "reasoning_content"}
+            adjusted["content"] = content
+            out.append(adjusted)
+        return out
+    if _is_gpt_oss(source) or _is_lfm2(source):
+        return [{**m, "thinking": m["reasoning_content"]} if isinstance(m.get("reasoning_content"), str) else m
+                for m in messages]
+    return None
+
+
+# -- rendering --------------------------------------------------------------------------------------------
+
+def _variables(messages: list, *, bos_token: str, eos_token: str, enable_thinking: bool, add_generation_prompt: bool,
+               kwargs: Mapping[str, Any], now: _dt.datetime) -> dict:
+    variables: dict[str, Any] = {"messages": messages, "bos_token": bos_token, "eos_token": eos_token,
+                                 "enable_thinking": enable_thinking,
+                                 "datetime": now.strftime("%b %d %Y"), "date_string": now.strftime("%d %b %Y")}
+    variables.update(kwargs)
+    if add_generation_prompt:
+        variables["add_generation_prompt"] = True
+    if isinstance(variables.get("preserve_reasoning"), bool):
+        keep = variables["preserve_reasoning"]
+        variables.update(preserve_thinking=keep, clear_thinking=not keep, truncate_history_thinking=not keep,
+                         drop_thinking=not keep)
+    if isinstance(variables.get("reasoning_effort"), str) and variables["reasoning_effort"]:
+        variables["reasoning_strength"] = variables["reasoning_effort"]
+    return variables
+
+
+def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *, bos_token: str = "", eos_token: str = "",
+                add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+                kwargs: Mapping[str, Any] | None = None, add_bos: bool = False, add_eos: bool = False,
+                now: _dt.datetime | None = None) -> str:
+    """The prompt llama.cpp renders for `messages` with this template source.
+
+    `enable_thinking` None is llama.cpp's default (on where the template supports thinking); `kwargs` are
+    --chat-template-kwargs, already parsed (an `enable_thinking` among them wins, as in llama-server);
+    `add_bos` / `add_eos`: whether the model's tokenizer adds them itself (then llama.cpp cuts the
+    template's own copy from the text)."""
+    kwargs = dict(kwargs or {})
+    if isinstance(kwargs.get("enable_thinking"), bool):
+        enable_thinking = kwargs["enable_thinking"]
+    if enable_thinking is None:
+        enable_thinking = supports_thinking(source, bos_token, eos_token)
+    now = now or _dt.datetime.now()
+    source = patch_source(source)
+    caps = template_caps(source)
+    msgs = oaicompat_messages(messages)
+    if _is_stepfun(source):
+        msgs = [{**m, "content": m["content"].strip(), **({"reasoning_content": m["reasoning_content"].strip()}
+                                                          if "reasoning_content" in m else {})} for m in msgs]
+    if not _is_gpt_oss(source):
+        msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
+    msgs = _normalize_content(msgs, caps)
+    if not caps.system_role:
+        msgs = _fold_system(msgs)
+    override = _messages_override(source, msgs)
+    variables = _variables(override if override is not None else msgs, bos_token=bos_token, eos_token=eos_token,
+                           enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
+                           kwargs=kwargs, now=now)
+    text = _execute(source, variables, now)
+    if add_bos and bos_token and text.startswith(bos_token):
+        text = text[len(bos_token):]
+    if add_eos and eos_token and text.endswith(eos_token):
+        text = text[: -len(eos_token)]
+    if _is_gpt_oss(source) and not add_generation_prompt:
+        at = text.rfind("<|return|>")
+        if at >= 0:
+            text = text[:at] + "<|end|>" + text[at + len("<|return|>"):]
+    return text
+
+
+@lru_cache(maxsize=64)
+def supports_thinking(source: str, bos_token: str = "", eos_token: str = "") -> bool:
+    """llama.cpp's default for enable_thinking: on where the template renders a turn differently with it."""
+    probe = [{"role": "user", "content": "test"}]
+    try:
+        on = render_chat(source, probe, bos_token=bos_token, eos_token=eos_token, enable_thinking=True)
+        off = render_chat(source, probe, bos_token=bos_token, eos_token=eos_token, enable_thinking=False)
+    except TemplateRenderError:
+        return False
+    return on != off
