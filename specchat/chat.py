@@ -5,6 +5,7 @@ at the prompt does), the input (prompt-toolkit, or one message per line from a p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from .runner import RunOptions, Terminated, check_text, loading, measuring, meas
 from .sampling import SamplingParams
 from .slash import KEYS
 from .stats import RunStats
+from .template import chat_format
 from .transcript import Resumed, Transcript, read_transcript
 
 
@@ -58,7 +60,7 @@ class ChatSession:
         self.out = out if out is not None else sys.stdout
         # --ignore-eos bans this target's end tokens
         self.conversation = Conversation(loaded.target, system=system, params=run.for_target(loaded.target),
-                                         max_tokens=run.max_tokens, stop=[*run.stop, *stop])
+                                         max_tokens=run.max_tokens, stop=[*run.stop, *stop], reasoning=run.reasoning)
         self.transcript = transcript
         self.live = console.is_terminal if live is None else live
         self.show_stats = show_stats
@@ -95,6 +97,15 @@ class ChatSession:
         # the first run on a machine measures it: a visible line says so (and what a Ctrl-C then stops)
         with measuring(self.info):
             self.policy = self.run.policy(self.loaded, notify=measuring_notice(self.info), draft_max=self.draft_max)
+
+    def set_thinking(self, on: bool | None) -> None:
+        """-rea for the turns to come (/reasoning): the template's enable_thinking, or its default (None)."""
+        target = self.loaded.target
+        fmt = chat_format(target)
+        kwargs = {k: v for k, v in fmt.kwargs.items() if k != "enable_thinking"}
+        if on is not None:
+            kwargs["enable_thinking"] = on
+        target.chat_format = dataclasses.replace(fmt, kwargs=kwargs)
 
     def prepare_policy(self) -> None:
         if not self.policy_ready:
@@ -280,6 +291,9 @@ class ChatSession:
             "finish_reason": reason,
         })
         note = getattr(self.policy, "last_note", None) if self.drafter is not None else None
+        if turn.split is not None and turn.split.thought_tokens and not self.live:
+            # a pipe shows the answer only: say that there was a thought (/thought shows it)
+            self.info.print(ui.thought_line(turn.split.thought_tokens, 0.0, bool(turn.split.content)), soft_wrap=True)
         self.info.print(ui.summary_line(stats, reason, self.drafter_label, note), soft_wrap=True)
         if self.show_stats:
             self.info.print(ui.breakdown(stats))

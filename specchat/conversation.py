@@ -35,6 +35,7 @@ from .backend import Backend
 from .drafters import Drafter
 from .engine import MAX_TOKENS, Finished, StepEvent, TokenEvent, generate
 from .policy import Policy
+from .reasoning import ReasoningOptions, Split, budget_for, prepare as prepare_reasoning, split_events
 from .sampling import SamplingParams
 from .stats import RunStats
 from .template import FALLBACK_STOP, has_template, render_text, tokenize_rendered
@@ -58,13 +59,14 @@ class Conversation:
 
     def __init__(self, target: Backend, drafter: Drafter | None = None, *, system: str | None = None,
                  params: SamplingParams | None = None, max_tokens: int = MAX_TOKENS, policy: Policy | None = None,
-                 stop: Sequence[str] = ()):
+                 stop: Sequence[str] = (), reasoning: ReasoningOptions | None = None):
         self.target = target
         self.drafter = drafter
         self.params = params if params is not None else SamplingParams()
         self.max_tokens = max_tokens
         self.policy = policy
         self.extra_stop = list(stop)
+        self.reasoning = reasoning if reasoning is not None else ReasoningOptions()
         self.rng = np.random.default_rng(self.params.seed)
         self.system = system or None
         self.turns: list[dict] = []  # user / assistant messages, alternating, oldest first
@@ -115,10 +117,16 @@ class Conversation:
             dropped += 1
             self.forget_tokens()
 
-    def commit(self, prepared: Prepared, reply: str, generated: Sequence[int]) -> dict:
-        """Record the turn. The held ids become exactly what the target saw: prompt + generated."""
+    def commit(self, prepared: Prepared, reply: str, generated: Sequence[int], split: Split | None = None) -> dict:
+        """Record the turn. The held ids become exactly what the target saw: prompt + generated. A reasoning
+        model's reply is recorded as its answer with the thought beside it (`reasoning_content`): the
+        template decides what of it the next prompt shows."""
         content = reply if self.templated else reply.strip()
         message = {"role": "assistant", "content": content}
+        if split is not None:
+            message["content"] = split.content if self.reasoning.format != "deepseek-legacy" else content
+            if split.reasoning_content:
+                message["reasoning_content"] = split.reasoning_content
         self.turns += [{"role": "user", "content": prepared.user}, message]
         # Hold only the generated ids whose text is part of the reply: a reply cut at a stop string
         # ("\nAssistant:") generated that string's tokens too, and holding them would stop the next
@@ -136,7 +144,7 @@ class Conversation:
 
     def restore(self, turns: Sequence[dict]) -> list[int]:
         """Load earlier turns (--resume); returns the ids that hold them, for one prefill."""
-        self.turns = [dict(role=m["role"], content=m["content"]) for m in turns]
+        self.turns = [{k: m[k] for k in ("role", "content", "reasoning_content") if k in m} for m in turns]
         self.forget_tokens()
         if self.turns:
             self._text = render_text(self.target, self.messages, False)
@@ -171,6 +179,7 @@ class Turn:
         self.max_tokens = max_tokens
         self.token_ids: list[int] = []  # emitted so far
         self.pieces: list[str] = []  # the text they made visible so far
+        self.split: Split | None = None  # a reasoning model's reply so far, thought and answer apart
         self.stats: RunStats | None = None  # the run's totals as of the last step
         self.finish_reason: str | None = None
         self.message: dict | None = None
@@ -185,16 +194,24 @@ class Turn:
 
     def _run(self) -> Iterator:
         conv = self.conversation
-        events = generate(conv.target, conv.drafter, self.prepared.ids, conv.params, max_tokens=self.max_tokens,
-                          stop=conv.stops + conv.extra_stop, policy=conv.policy, rng=conv.rng)
+        reasoning = prepare_reasoning(conv.target, self.prepared.text, conv.reasoning) if conv.templated else None
+        if reasoning is not None and reasoning.format != "none":
+            self.split = Split()
+        budget = budget_for(reasoning, conv.reasoning, conv.target)
+        events = split_events(
+            generate(conv.target, conv.drafter, self.prepared.ids, conv.params, max_tokens=self.max_tokens,
+                     stop=conv.stops + conv.extra_stop, policy=conv.policy, rng=conv.rng, budget=budget), reasoning)
         try:
             for event in events:
                 if isinstance(event, TokenEvent):
                     self.token_ids.append(event.id)
                     self.pieces.append(event.text)
+                    if self.split is not None and event.phase in ("thought", "answer"):
+                        self.split.add(event.phase, event.text)
                 elif isinstance(event, StepEvent):
                     self.stats = event.totals
                 elif isinstance(event, Finished):
+                    self.split = event.split
                     self._record(event.text, event.token_ids, event.finish_reason, event.stats)
                 yield event
         except (GeneratorExit, KeyboardInterrupt):
@@ -207,5 +224,5 @@ class Turn:
             events.close()
 
     def _record(self, reply: str, ids: Sequence[int], reason: str, stats: RunStats) -> None:
-        self.message = self.conversation.commit(self.prepared, reply, ids)
+        self.message = self.conversation.commit(self.prepared, reply, ids, self.split)
         self.finish_reason, self.stats = reason, stats

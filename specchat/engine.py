@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from .sampling import (
     verify_greedy,
 )
 from .stats import RunStats, StepStats
+
+if TYPE_CHECKING:
+    from .reasoning import Budget, Split
 
 MAX_TOKENS = 256  # most tokens one generation emits unless told (-n)
 
@@ -43,6 +46,7 @@ class TokenEvent:
     text: str
     source: Source
     step: int
+    phase: str = "answer"  # "thought", "answer", or "marker" (a thinking marker's token): reasoning.split_events
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Finished:
     stats: RunStats
     prompt_token_ids: list[int] = field(default_factory=list)
     tail: str = ""  # text held back until the end (an unfinished character, a partial stop string)
+    split: Split | None = None  # thought and answer apart, for a reasoning model (reasoning.split_events)
 
 
 Event = TokenEvent | StepEvent | Finished
@@ -90,11 +95,13 @@ def generate(
     stop: Sequence[str] = (),
     policy: Policy | None = None,
     rng: np.random.Generator | None = None,
+    budget: Budget | None = None,
 ) -> Iterator[Event]:
     """Yield TokenEvent and StepEvent as generation goes, then one Finished.
 
     The target's output distribution is exactly what plain sampling from it would give (see
     sampling.verify); the drafter and policy only change how many target evaluations it takes.
+    `budget` (--reasoning-budget) constrains that distribution: where it forces a token, p is one-hot on it.
     """
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
@@ -123,14 +130,37 @@ def generate(
     try:
         while (limit := reply.draft_limit(drafter)) is not None:
             t0 = time.perf_counter()
-            draft = policy.draft(drafter, reply.context, max(0, limit), params, rng) if drafter is not None else Draft()
+            forcing = budget is not None and budget.forced() is not None
+            if forcing:  # the forced tokens are known: sent as the draft, each accepted (p and q one-hot on it)
+                rest = budget.forced_rest()[: max(0, limit)]
+                draft = Draft(rest, [None] * len(rest))
+            elif drafter is not None:
+                draft = policy.draft(drafter, reply.context, max(0, limit), params, rng)
+            else:
+                draft = Draft()
             drafts = draft.tokens
             t1 = time.perf_counter()
-            verified = verify_step(target, reply.context, drafts, draft.q, params, rng)
+            forced = budget.lookahead(drafts) if budget is not None else None
+            verified = verify_step(target, reply.context, drafts, draft.q, params, rng, forced)
             t2 = time.perf_counter()
             n_before = len(reply.generated)
-            yield from reply.emit(verified.tokens(drafts), stats.steps)
+            decided = verified.tokens(drafts)
+            if forcing:
+                decided = [(token, "target") for token, _ in decided]
+            for event in reply.emit(decided, stats.steps):
+                if budget is not None:
+                    budget.accept(event.id)
+                yield event
             emitted = reply.generated[n_before:]
+            if forcing:  # no drafter drafted: the step is the target's, and teaches the policy nothing
+                step = StepStats(step=stats.steps, drafted=0, accepted=0, emitted=len(emitted),
+                                 decided=len(emitted) + (reply.finish == "eog"), draft_seconds=0.0,
+                                 verify_seconds=t2 - t1 - verified.rollback_seconds,
+                                 rollback_seconds=verified.rollback_seconds)
+                stats.add(step)
+                stats.generate_seconds = time.perf_counter() - gen_started
+                yield StepEvent(step, stats.snapshot())
+                continue
             # a token that ended generation inside the step still counts as accepted, not as emitted
             step = StepStats(
                 step=stats.steps,
@@ -188,14 +218,17 @@ class Verified:
 
 
 def verify_step(target: Backend, context: list[int], drafts: list[int], q: Sequence[Dist | None],
-                params: SamplingParams, rng: np.random.Generator) -> Verified:
+                params: SamplingParams, rng: np.random.Generator, forced: Sequence[int | None] | None = None) -> Verified:
     """Evaluate [context[-1], d1..dk] in one target batch, apply the rule to p1..p(k+1), and cut the
-    target's cache back to context + the accepted drafts."""
+    target's cache back to context + the accepted drafts. `forced[i]`: a token the target's distribution
+    at position i is constrained to (a reasoning budget), else None."""
     rollback_before = target.rollback_seconds
     if drafts:  # a recurrent target copies its state now if it cannot otherwise cut this batch back
         target.checkpoint(len(drafts) + 1)
     rows = target.eval([context[-1], *drafts], range(len(drafts) + 1), in_place=True)
     p = target_rows(rows, params, penalty_history(context, drafts, params))
+    if forced is not None and any(t is not None for t in forced):
+        p = ForcedRows(p, forced, target.n_vocab, params.greedy)
     if params.greedy:
         accepted, token = verify_greedy(p, drafts)
     else:
@@ -203,6 +236,23 @@ def verify_step(target: Backend, context: list[int], drafts: list[int], q: Seque
     # the cache holds context[:-1] + [context[-1]] + drafts: keep through the accepted ones
     target.truncate(len(context) + accepted)
     return Verified(accepted, token, target.rollback_seconds - rollback_before)
+
+
+class ForcedRows:
+    """The target's rows with a constraint applied: one-hot on the forced token where there is one (its
+    argmax, greedy). Rows are still made on first use."""
+
+    def __init__(self, rows, forced: Sequence[int | None], n_vocab: int, greedy: bool):
+        self.rows, self.forced, self.n_vocab, self.greedy = rows, forced, n_vocab, greedy
+
+    def __getitem__(self, i: int):
+        token = self.forced[i]
+        if token is None:
+            return self.rows[i]
+        return token if self.greedy else Dist.single(token, self.n_vocab)
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 def penalty_history(context: Sequence[int], drafts: list[int], params: SamplingParams):

@@ -32,6 +32,7 @@ SAMPLING = "Sampling"
 SPEC = "Speculation"
 HARDWARE = "Hardware"
 OUTPUT = "Output"
+REASONING = "Reasoning"  # a thinking model's flags, as llama.cpp spells them
 
 Target = Annotated[
     str | None,
@@ -64,6 +65,34 @@ ChatTemplateFile = Annotated[
 ChatTemplateKwargs = Annotated[
     str | None,
     typer.Option("--chat-template-kwargs", help="""Variables for the chat template, a JSON object, as llama.cpp takes them: '{"enable_thinking": false}' turns a thinking model's thinking off.""", rich_help_panel=MODELS, show_default=False),
+]
+Reasoning = Annotated[
+    str,
+    typer.Option("-rea", "--reasoning", help="Thinking, for a reasoning model: on, off, or auto (the template's default). Sets the template's enable_thinking, as llama.cpp does.", rich_help_panel=REASONING),
+]
+ReasoningFormat = Annotated[
+    str,
+    typer.Option("--reasoning-format", help="How a thought is returned: auto or deepseek (apart from the answer, and in --json a field of its own), deepseek-legacy (apart, and left in the text too), none (left in the text).", rich_help_panel=REASONING),
+]
+ReasoningBudget = Annotated[
+    int,
+    typer.Option("--reasoning-budget", min=-1, help="Most tokens a thought may take before its end is forced (-1: no limit, 0: end it at once). The budget constrains the target's own distribution, and speculation stays lossless for it.", rich_help_panel=REASONING),
+]
+ReasoningBudgetMessage = Annotated[
+    str | None,
+    typer.Option("--reasoning-budget-message", help="Text written before the forced end of a thought whose budget ran out.", rich_help_panel=REASONING, show_default=False),
+]
+ReasoningEffort = Annotated[
+    str | None,
+    typer.Option("--reasoning-effort", help="Effort level given to templates that read one (gpt-oss: low, medium, high); `default` keeps the template's.", rich_help_panel=REASONING, show_default=False),
+]
+ReasoningPreserve = Annotated[
+    bool,
+    typer.Option("--reasoning-preserve", help="Keep earlier turns' thoughts in the prompt where the template can (it reads preserve_reasoning). Default: the template's.", rich_help_panel=REASONING),
+]
+NoReasoningPreserve = Annotated[
+    bool,
+    typer.Option("--no-reasoning-preserve", help="Drop earlier turns' thoughts from the prompt where the template can.", rich_help_panel=REASONING),
 ]
 MaxTokens = Annotated[
     int,
@@ -171,6 +200,13 @@ class RunArgs:
     chat_template: ChatTemplate = None
     chat_template_file: ChatTemplateFile = None
     chat_template_kwargs: ChatTemplateKwargs = None
+    reasoning: Reasoning = "auto"
+    reasoning_format: ReasoningFormat = "auto"
+    reasoning_budget: ReasoningBudget = -1
+    reasoning_budget_message: ReasoningBudgetMessage = None
+    reasoning_effort: ReasoningEffort = None
+    reasoning_preserve: ReasoningPreserve = False
+    no_reasoning_preserve: NoReasoningPreserve = False
     max_tokens: MaxTokens = MAX_TOKENS
     temp: Temp = _SAMPLING.temperature
     top_k: TopK = _SAMPLING.top_k

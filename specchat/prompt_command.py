@@ -17,7 +17,8 @@ from .crossvocab import rule_info, rule_label
 from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
 from .runner import RunOptions, check_text, loading, measuring, read_prompt, run_options
-from .template import has_template, render
+from .reasoning import budget_for, prepare as prepare_reasoning, split_events
+from .template import has_template, render, render_text
 
 
 @opt.run_args()
@@ -42,6 +43,7 @@ def prompt_command(
     text = read_prompt(text)
     err = ui.make_console(stderr=True, no_color=no_color)  # no_color=False still honours NO_COLOR
     with loading(config, run, err) as loaded:
+        reasoning = None
         if raw or not has_template(loaded.target):
             prompt_ids = loaded.target.tokenize(text, add_special=True)
             stops = list(run.stop)
@@ -49,13 +51,14 @@ def prompt_command(
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             rendered = render(loaded.target, messages)
             prompt_ids, stops = rendered.token_ids, rendered.stop + run.stop
+            reasoning = prepare_reasoning(loaded.target, render_text(loaded.target, messages), run.reasoning)
         check_fits(prompt_ids, loaded.target.n_ctx)  # before the view starts
         with measuring(err) as notify:
             policy = run.policy(loaded, notify=notify)
-        events = generate(
+        events = split_events(generate(
             loaded.target, loaded.drafter, prompt_ids, run.for_target(loaded.target), max_tokens=run.max_tokens, stop=stops,
-            policy=policy,
-        )
+            policy=policy, budget=budget_for(reasoning, run.reasoning, loaded.target),
+        ), reasoning)
         note = lambda: getattr(policy, "last_note", None)  # noqa: E731  why nothing was drafted, if so
         if as_json:
             finished = print_json(events, loaded, run, note)
@@ -84,12 +87,15 @@ def print_json(events, loaded: Loaded, run: RunOptions, note=lambda: None) -> Fi
     finished = None
     for event in events:
         if isinstance(event, TokenEvent):
-            tokens.append({"id": event.id, "text": event.text, "source": event.source})
+            tokens.append({"id": event.id, "text": event.text, "source": event.source,
+                           **({"phase": event.phase} if event.phase != "answer" else {})})
         elif isinstance(event, Finished):
             finished = event
     assert finished is not None
     doc = {
         "text": finished.text,
+        **({"content": finished.split.content, "reasoning_content": finished.split.reasoning_content}
+           if finished.split is not None else {}),
         "tokens": tokens,
         "prompt_token_ids": finished.prompt_token_ids,
         "finish_reason": finished.finish_reason,

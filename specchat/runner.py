@@ -17,6 +17,7 @@ from .errors import UserError
 from .kinds import DrafterKind
 from .loader import LoadOptions, Selection, load, make_policy, select
 from .options import MAX_THREADS, RunArgs
+from .reasoning import ReasoningOptions
 from .sampling import SamplingParams
 
 
@@ -67,6 +68,7 @@ class RunOptions:
     stop: list[str] = field(default_factory=list)  # the user's --stop strings (the template adds its own)
     ignore_eos: bool = False
     reproducible: bool = False  # --reproducible: draft lengths from the tokens only (see loader.make_policy)
+    reasoning: ReasoningOptions = field(default_factory=ReasoningOptions)  # --reasoning-format / -budget
 
     def policy(self, loaded, *, notify=None, draft_max: int | None = None):
         """The draft-length policy for this run (make_policy with this run's flags)."""
@@ -152,8 +154,10 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
 
     if args.reproducible:  # earlier replies change what lookup drafts from run to run
         load_opts.lookup_history = False
+    reasoning = ReasoningOptions(args.reasoning_format.strip().lower(), args.reasoning_budget,
+                                 args.reasoning_budget_message)
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
-                      stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible)
+                      stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible, reasoning=reasoning)
 
 
 def template_options(args: RunArgs):
@@ -170,10 +174,41 @@ def template_options(args: RunArgs):
         chosen = template_from_text(check_text(args.chat_template, "--chat-template"))
     elif args.chat_template_file is not None:
         chosen = template_from_file(args.chat_template_file)
-    kwargs = None
-    if args.chat_template_kwargs is not None:
-        kwargs = parse_kwargs(check_text(args.chat_template_kwargs, "--chat-template-kwargs"))
+    kwargs = reasoning_kwargs(args)
+    if args.chat_template_kwargs is not None:  # key by key over the reasoning flags', as llama-server's are
+        kwargs = {**(kwargs or {}), **parse_kwargs(check_text(args.chat_template_kwargs, "--chat-template-kwargs"))}
     return chosen, kwargs
+
+
+REASONING = {"on": True, "off": False, "auto": None}
+
+
+def reasoning_kwargs(args: RunArgs) -> dict | None:
+    """-rea / --reasoning-effort / --reasoning-preserve as the template variables llama.cpp sets for them
+    (common/arg.cpp: enable_thinking, reasoning_effort, preserve_reasoning); None when none is given."""
+    from .reasoning import FORMATS
+
+    word = args.reasoning.strip().lower()
+    if word not in REASONING:
+        raise UserError(f"-rea/--reasoning must be one of on, off, auto, got {args.reasoning!r}")
+    if args.reasoning_format.strip().lower() not in FORMATS:
+        raise UserError(f"--reasoning-format must be one of {', '.join(FORMATS)}, got {args.reasoning_format!r}")
+    if args.reasoning_budget_message is not None:
+        check_text(args.reasoning_budget_message, "--reasoning-budget-message")
+    kwargs: dict = {}
+    if REASONING[word] is not None:
+        kwargs["enable_thinking"] = REASONING[word]
+    if args.reasoning_effort is not None:
+        effort = check_text(args.reasoning_effort, "--reasoning-effort").strip()
+        if not effort:
+            raise UserError("--reasoning-effort: empty; give a level (low, medium, high, ...) or `default`")
+        if effort != "default":
+            kwargs["reasoning_effort"] = effort
+    if args.reasoning_preserve and args.no_reasoning_preserve:
+        raise UserError("give --reasoning-preserve or --no-reasoning-preserve, not both")
+    if args.reasoning_preserve or args.no_reasoning_preserve:
+        kwargs["preserve_reasoning"] = args.reasoning_preserve
+    return kwargs or None
 
 
 def spec_types(text: str | None, draft: str | None) -> tuple[DrafterKind, ...]:

@@ -129,6 +129,24 @@ def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
+def _thought(session: ChatSession, arg: str) -> None:
+    last = next((m for m in reversed(session.conversation.turns) if m["role"] == "assistant"), None)
+    if last is None or not last.get("reasoning_content"):
+        session.notice("no thought yet" if last is None else "the last reply had no thought")
+        return
+    session.info.print(Text(last["reasoning_content"], style="spec.thought"))
+
+
+def _reasoning(session: ChatSession, arg: str) -> None:
+    from .runner import REASONING
+
+    if arg not in REASONING:
+        session.notice("/reasoning takes on, off or auto", "spec.error")
+        return
+    session.set_thinking(REASONING[arg])
+    session.notice(f"thinking {arg}" + (" (the template's default)" if arg == "auto" else "") + " from the next turn")
+
+
 def _exit(session: ChatSession, arg: str) -> None:
     session.done = True
 
@@ -142,6 +160,9 @@ COMMANDS = (
     SlashCommand("/spec", "on|off", "speculation on, or off (target only)", _spec, values=("on", "off")),
     SlashCommand("/rpc", "off", "where the target's layers are; off: reload it on this machine (a worker is gone)",
                  _rpc, values=("off",)),
+    SlashCommand("/thought", "", "show the last reply's thought in full (a reasoning model)", _thought),
+    SlashCommand("/reasoning", "on|off|auto", "thinking on or off for the next turns (the template's enable_thinking)",
+                 _reasoning, values=("on", "off", "auto")),
     SlashCommand("/system", "TEXT", "set the system message (without TEXT: show it)", _system),
     SlashCommand("/save", "FILE", "write the transcript to FILE (continue it later with --resume FILE)", _save),
     SlashCommand("/exit", "", "leave (also Ctrl-D, or Ctrl-C at an empty prompt)", _exit, aliases=("/quit", "/q")),

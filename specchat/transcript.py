@@ -210,7 +210,10 @@ def read_transcript(path: Path) -> Resumed:
             if pending is None:
                 skipped.append(f"line {n} (a reply with no message before it)")
             else:
-                turns += [{"role": "user", "content": pending[1]}, {"role": "assistant", "content": content}]
+                reply = {"role": "assistant", "content": content}
+                if isinstance(record.get("reasoning_content"), str) and record["reasoning_content"]:
+                    reply["reasoning_content"] = record["reasoning_content"]  # a reasoning model's thought
+                turns += [{"role": "user", "content": pending[1]}, reply]
                 pending = None
         elif role == "dropped":
             pending = None  # that turn failed and was dropped; the chat said so at the time

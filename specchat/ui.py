@@ -12,7 +12,11 @@ the line being written (greedy word wrap never moves a row break once a later ro
 region holds those last rows and the footer; when the reply ends, the footer is erased and the rows are
 printed for good.
 
-`PlainView` (a pipe): the text only, written as it comes, nothing else on stdout.
+A reasoning model's thought (TokenEvents whose phase is "thought", reasoning.split_events) streams in its own
+style in the live region, its last THOUGHT_ROWS rows under a "thinking" label, and folds to one line
+(`thought_line`) when the answer starts or the reply ends.
+
+`PlainView` (a pipe): the answer only, written as it comes, nothing else on stdout.
 """
 
 from __future__ import annotations
@@ -49,8 +53,13 @@ THEME = Theme(
         "spec.prompt": "bold magenta",
         "spec.user": "bold",
         "spec.help.key": "bold",
+        # a reasoning model's thought: apart from the answer while it streams, one line once it is done
+        "spec.thought": "dim italic",
+        "spec.thought.label": "dim bold",
     }
 )
+
+THOUGHT_ROWS = 4  # rows of a streaming thought kept in view (the rest scrolls away; /thought shows it all)
 
 SOURCE_STYLE = {
     "accepted": "spec.accepted",
@@ -177,6 +186,15 @@ def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "", n
     return text
 
 
+def thought_line(tokens: int, seconds: float, answered: bool = True) -> Text:
+    """A finished thought, folded to one line."""
+    line = Text("▸ thought", style="spec.thought.label")
+    line.append(f" for {tokens} token{'s' if tokens != 1 else ''} · {seconds:.1f} s", style="spec.thought")
+    if not answered:
+        line.append(" · no answer yet", style="spec.thought")
+    return line
+
+
 def _bar(n: int, most: int, width: int = 20) -> str:
     return "█" * max(1, round(width * n / most)) if n and most else ""
 
@@ -229,6 +247,7 @@ class PlainView:
         self.totals: RunStats | None = None
         self.parts: list[str] = []
         self.token_ids: list[int] = []
+        self._thought = False  # a thought came, and no answer text yet: its blank lines are skipped
 
     @property
     def text(self) -> str:
@@ -240,16 +259,22 @@ class PlainView:
     def feed(self, event) -> None:
         if isinstance(event, TokenEvent):
             self.token_ids.append(event.id)
-            if event.text:
-                self.parts.append(event.text)
-                self.file.write(event.text)
+            text = event.text
+            if event.phase == "thought":
+                self._thought = True
+            elif event.phase == "answer" and self._thought and not self.parts:
+                text = text.lstrip()
+            if text and event.phase == "answer":
+                self.parts.append(text)
+                self.file.write(text)
                 self.file.flush()
         elif isinstance(event, StepEvent):
             self.totals = event.totals
         elif isinstance(event, Finished):
             self.finished = event
             self.totals = event.stats
-            if event.tail:
+            thinking = event.split is not None and not event.split.content and event.split.reasoning_content
+            if event.tail and not thinking:
                 self.parts.append(event.tail)
                 self.file.write(event.tail)
 
@@ -275,6 +300,10 @@ class LiveView:
         self._pending = Text()  # the reply's rows not yet printed above the live region
         self._live: Live | None = None
         self._last_refresh = 0.0
+        self.thought = Text()  # the thought streaming now (the live region shows its last rows)
+        self.last_thought = Text()  # the whole of the last thought, once folded
+        self.thought_tokens = 0
+        self._thought_started: float | None = None
 
     @property
     def text(self) -> str:
@@ -295,8 +324,20 @@ class LiveView:
     def feed(self, event) -> None:
         if isinstance(event, TokenEvent):
             self.token_ids.append(event.id)
-            if event.text:
-                self._append(event.text, SOURCE_STYLE.get(event.source, "spec.target"))
+            if event.phase == "thought":
+                if self._thought_started is None:
+                    self._thought_started = time.perf_counter()
+                self.thought_tokens += 1
+                self.thought.append(event.text, style="spec.thought")
+                return
+            text = event.text
+            if self._thought_started is not None and event.phase == "answer":
+                if not text.strip():
+                    return  # the blank lines between a thought and its answer
+                self._fold_thought()
+                text = text.lstrip()
+            if text:
+                self._append(text, SOURCE_STYLE.get(event.source, "spec.target"))
         elif isinstance(event, StepEvent):
             self.totals, self.last_step = event.totals, event.stats
             now = time.perf_counter()
@@ -312,6 +353,8 @@ class LiveView:
 
     def end(self, notice: str | None = None) -> None:
         """Erase the footer, print what is left of the reply (and a notice such as 'interrupted')."""
+        if self._thought_started is not None:
+            self._fold_thought(answered=False)
         if self._live is not None:
             live, self._live = self._live, None
             live.stop()
@@ -329,8 +372,29 @@ class LiveView:
         self.reply.append(text, style=style)
         self._pending.append(text, style=style)
 
+    def _fold_thought(self, answered: bool = True) -> None:
+        """The thought is over: one line for it above the live region, and the answer goes on below."""
+        line = thought_line(self.thought_tokens, time.perf_counter() - self._thought_started, answered)
+        self.last_thought, self._thought_started = self.thought, None
+        self.thought = Text()
+        self._print(line)
+
+    def _thought_tail(self) -> Text:
+        """The label and the last THOUGHT_ROWS rows of the thought as it streams."""
+        width = max(1, self.console.width)
+        rows = []
+        for line in self.thought.plain.split("\n"):
+            starts = [0, *row_starts(line, width)] if cell_len(line) > width else [0]
+            rows += [line[a:b] for a, b in zip(starts, [*starts[1:], len(line)])]
+        shown = Text("thinking · ", style="spec.thought.label").append(f"{self.thought_tokens} tokens", style="spec.thought")
+        for row in rows[-THOUGHT_ROWS:]:
+            shown.append("\n" + row, style="spec.thought")
+        return shown
+
     def _renderable(self):
         parts = []
+        if self._thought_started is not None:
+            parts.append(self._thought_tail())
         if self._pending.plain:
             parts.append(self._pending)
         if self.show_footer:

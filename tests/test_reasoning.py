@@ -1,0 +1,281 @@
+"""Reasoning models: thinking markers read from templates, the reply split into thought and answer token by
+token, the --reasoning-budget state machine (llama.cpp's reasoning-budget sampler), and the budget's
+losslessness through the whole loop (chi-square on fakes, with a control that must fail)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fakes import (
+    ALPHA, FakeBackend, chi2_pvalue, detection_power, first_two_emitted, make_draft_model, markov_logits,
+)
+from specchat import engine
+from specchat.engine import Finished, TokenEvent, generate
+from specchat.jinja_chat import render_chat
+from specchat.policy import FixedPolicy
+from specchat.reasoning import (
+    HARMONY, Budget, Markers, PhaseSplitter, Reasoning, Split, find_markers, opens_thought, split_events,
+)
+from specchat.sampling import SamplingParams, process
+
+# -- markers ------------------------------------------------------------------------------------------------
+
+# the shapes of real templates (llama.cpp's models/templates): Qwen3 keeps reasoning_content in its last
+# turn and opens nothing; the R1 distills drop the thought from history and open it in the prompt;
+# Command-R7B has its own markers; gpt-oss writes channels
+QWEN3 = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'assistant' and m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+R1_DISTILL = (
+    "{{ bos_token }}{%- for m in messages %}{%- if m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{%- else %}<｜Assistant｜>{{ m.content.split('</think>')[-1] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+)
+COMMAND_R = (
+    "{%- for m in messages %}<|START_OF_TURN_TOKEN|>{{ m.role }}"
+    "{%- if m.reasoning_content %}<|START_THINKING|>{{ m.reasoning_content }}<|END_THINKING|>{% endif %}"
+    "{{ m.content }}<|END_OF_TURN_TOKEN|>{% endfor %}"
+    "{%- if add_generation_prompt %}<|START_OF_TURN_TOKEN|>assistant{% endif %}"
+)
+PLAIN = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+def _render(source):
+    return lambda messages, gen, thinking: render_chat(source, messages, add_generation_prompt=gen,
+                                                       enable_thinking=thinking)
+
+
+@pytest.mark.parametrize("source, markers, inside", [
+    (QWEN3, Markers("<think>", "</think>"), False),
+    (R1_DISTILL, Markers("<think>", "</think>"), True),
+    (COMMAND_R, Markers("<|START_THINKING|>", "<|END_THINKING|>"), False),
+    ("{{ '<|channel|>analysis<|message|>' }}" + PLAIN, Markers(*HARMONY), False),
+], ids=["qwen3", "r1-distill", "command-r", "gpt-oss"])
+def test_markers_are_read_from_the_template(source, markers, inside):
+    found = find_markers(source, _render(source))
+    assert found == markers
+    prompt = _render(source)([{"role": "user", "content": "hi"}], True, True)
+    assert opens_thought(prompt, found) is inside
+
+
+def test_a_template_without_thinking_has_no_markers():
+    assert find_markers(PLAIN, _render(PLAIN)) is None
+    assert opens_thought("<|im_start|>assistant\n<think>\n", None) is False
+
+
+def test_thinking_off_closes_the_thought_in_the_prompt():
+    prompt = _render(QWEN3)([{"role": "user", "content": "hi"}], True, False)
+    assert prompt.endswith("<think>\n\n</think>\n\n") and not opens_thought(prompt, Markers("<think>", "</think>"))
+
+
+# -- the split, token by token ------------------------------------------------------------------------------
+
+OPEN, CLOSE = [90, 91], [92]  # a marker of two tokens and one of one
+
+
+def _phases(tokens, inside=False):
+    splitter = PhaseSplitter([OPEN], [CLOSE], inside=inside)
+    out = []
+    for t in tokens:
+        out += splitter.feed(t, t)
+    return out + splitter.flush(), splitter
+
+
+def test_markers_are_held_until_they_complete_and_belong_to_no_phase():
+    out, _ = _phases([1, 90, 91, 2, 3, 92, 4])
+    assert out == [("answer", 1), ("marker", 90), ("marker", 91), ("thought", 2), ("thought", 3),
+                   ("marker", 92), ("answer", 4)]
+
+
+def test_a_marker_prefix_that_does_not_complete_is_released_in_order():
+    out, _ = _phases([1, 90, 5, 90, 90, 91, 6])
+    assert out == [("answer", 1), ("answer", 90), ("answer", 5), ("answer", 90), ("marker", 90), ("marker", 91),
+                   ("thought", 6)]
+
+
+def test_a_prompt_that_opened_the_thought_starts_in_it():
+    out, _ = _phases([2, 92, 4], inside=True)
+    assert out == [("thought", 2), ("marker", 92), ("answer", 4)]
+
+
+def test_a_thought_that_closes_unopened_was_thought_all_along():
+    out, splitter = _phases([2, 3, 92, 4])
+    # the tokens were shown as answer as they came; the split is put right when the end marker comes
+    assert splitter.reopened and out == [("answer", 2), ("answer", 3), ("marker", 92), ("answer", 4)]
+    events = [TokenEvent(t, chr(96 + t), "target", 0) for t in (2, 3, 92, 4)]
+    finished = Finished("bc" + "d", [2, 3, 92, 4], "eog", None)
+    reasoning = Reasoning(Markers("<think>", "</think>"), {"start": [OPEN], "end": [CLOSE], "answer": []})
+    *_, last = split_events([*events, finished], reasoning)
+    assert (last.split.reasoning_content, last.split.content) == ("bc", "d")
+
+
+def test_split_events_sets_phases_and_the_split_like_llama_server():
+    pieces = {1: "Hi", 90: "<th", 91: "ink>", 2: "\nLet me see.", 3: " Two.\n", 92: "</think>", 4: "\n\nTwo", 5: "."}
+    ids = [90, 91, 2, 3, 92, 4, 5]
+    events = [TokenEvent(t, pieces[t], "accepted", 0) for t in ids]
+    finished = Finished("".join(pieces[t] for t in ids), ids, "eog", None)
+    reasoning = Reasoning(Markers("<think>", "</think>"), {"start": [OPEN], "end": [CLOSE], "answer": []})
+    out = list(split_events([*events, finished], reasoning))
+    tokens = [e for e in out if isinstance(e, TokenEvent)]
+    assert [(e.id, e.phase, e.text) for e in tokens] == [
+        (90, "marker", ""), (91, "marker", ""), (2, "thought", "\nLet me see."), (3, "thought", " Two.\n"),
+        (92, "marker", ""), (4, "answer", "\n\nTwo"), (5, "answer", ".")]
+    assert all(e.source == "accepted" for e in tokens)  # where each token came from is kept
+    split = out[-1].split
+    assert (split.reasoning_content, split.content) == ("Let me see. Two.", "Two.")
+    assert (split.thought_tokens, split.answer_tokens) == (2, 2)
+    # deepseek-legacy: the split is made, the text is left whole
+    legacy = Reasoning(reasoning.markers, reasoning.ids, format="deepseek-legacy")
+    out = list(split_events([*events, finished], legacy))
+    assert [e.text for e in out if isinstance(e, TokenEvent)] == [pieces[t] for t in ids]
+    assert out[-1].split.content == finished.text and out[-1].split.reasoning_content == "\nLet me see. Two.\n"
+    # none: nothing is split
+    assert list(split_events([*events, finished], Reasoning(reasoning.markers, reasoning.ids, format="none"))) \
+        == [*events, finished]
+
+
+def test_split_add_counts_by_phase():
+    split = Split()
+    split.add("thought", "a")
+    split.add("answer", "b", 2)
+    assert (split.reasoning_content, split.content, split.thought_tokens, split.answer_tokens) == ("a", "b", 1, 2)
+
+
+# -- the budget: llama.cpp's state machine ------------------------------------------------------------------
+
+END = [92]
+MESSAGE = [7, 8]
+
+
+def _feed(budget, tokens):
+    forced = []
+    for t in tokens:
+        forced.append(budget.forced())
+        budget.accept(t)
+    return forced
+
+
+def test_budget_counts_the_thought_then_forces_the_message_and_the_end():
+    budget = Budget([OPEN], [END], MESSAGE + END, 3)
+    assert budget.state == Budget.IDLE
+    _feed(budget, [1, 90, 91])  # the thought opens: counting starts
+    assert budget.state == Budget.COUNTING
+    assert _feed(budget, [2, 3, 4]) == [None, None, None]
+    assert budget.state == Budget.FORCING and budget.forced() == 7 and budget.forced_rest() == [7, 8, 92]
+    assert _feed(budget, [7, 8, 92]) == [7, 8, 92]
+    assert budget.state == Budget.DONE and budget.forced() is None and budget.forced_count == 3
+    _feed(budget, [5, 6, 90, 91])  # a new thought re-arms it
+    assert budget.state == Budget.COUNTING and budget.remaining == 3
+
+
+def test_budget_natural_end_and_zero_and_inside():
+    budget = Budget([OPEN], [END], END, 5, inside=True)
+    _feed(budget, [2, 92])
+    assert budget.state == Budget.DONE and budget.forced_count == 0
+    zero = Budget([OPEN], [END], END, 0, inside=True)
+    assert zero.state == Budget.FORCING and zero.forced() == 92
+
+
+def test_budget_waits_for_the_end_of_a_character():
+    budget = Budget([OPEN], [END], END, 1, inside=True, complete=lambda t: t != 50)
+    _feed(budget, [50])  # the budget is spent on the first byte of a character
+    assert budget.state == Budget.WAITING and budget.forced() is None
+    _feed(budget, [51])
+    assert budget.forced() == 92
+
+
+def test_lookahead_says_which_positions_are_forced_and_changes_nothing():
+    budget = Budget([OPEN], [END], MESSAGE + END, 2, inside=True)
+    # position 2 is forced; a draft there other than 7 is rejected, so what follows it is never verified
+    assert budget.lookahead([1, 2, 3, 4]) == [None, None, 7, 8, 92]
+    assert budget.state == Budget.COUNTING and budget.remaining == 2 and budget.recent == []
+    assert budget.lookahead([1, 2, 7, 8, 92]) == [None, None, 7, 8, 92, None]
+
+
+# -- the budget through the loop ----------------------------------------------------------------------------
+
+V = 4
+THINK_END = 3  # the end marker: one token (token 2 opens a thought)
+_rs = np.random.default_rng(21)
+TARGET = _rs.normal(0, 1.0, (V, V))
+TARGET[:, THINK_END] -= 1.0  # the model ends its thought itself now and then
+DRAFT = TARGET + _rs.normal(0, 0.7, (V, V))
+PARAMS = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+PROMPT = [0, 1, 2]
+BUDGET = 1
+DRAWS = 10_000
+
+
+def _budget():
+    return Budget([[2]], [[THINK_END]], [THINK_END], BUDGET, inside=True)
+
+
+def expected_first_two() -> np.ndarray:
+    """P(t1, t2) under the budgeted target: its own distribution, one-hot where the budget forces (t2 is
+    the end marker unless t1 was)."""
+    fn = markov_logits(TARGET)
+    joint = np.zeros((V, V))
+    for seq in itertools.product(range(V), repeat=2):
+        budget, ctx, prob = _budget(), list(PROMPT), 1.0
+        for t in seq:
+            forced = budget.forced()
+            if forced is not None:
+                p_t = float(t == forced)
+            else:
+                p_t = float(np.asarray(process(np.asarray(fn(tuple(ctx))), PARAMS, ctx))[t])
+            prob *= p_t
+            if prob == 0:
+                break
+            budget.accept(t)
+            ctx.append(t)
+        joint[seq] = prob
+    return joint
+
+
+def first_two_counts(seed: int, n: int) -> np.ndarray:
+    target = FakeBackend(markov_logits(TARGET), V)
+    drafter, _ = make_draft_model(markov_logits(DRAFT), V)
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V), dtype=np.int64)
+    for _ in range(n):  # three drafts: the second and third fall where the budget may force
+        gen = generate(target, drafter, PROMPT, PARAMS, max_tokens=4, policy=FixedPolicy(3), rng=rng,
+                       budget=_budget())
+        counts[first_two_emitted(gen)] += 1
+    return counts
+
+
+def test_a_budgeted_reply_is_the_budgeted_targets_whatever_is_drafted():
+    expected = expected_first_two()
+    assert detection_power(DRAWS, expected, delta=0.03) >= 0.85
+    counts = first_two_counts(31, DRAWS)
+    pvalue = chi2_pvalue(counts, expected)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}"
+
+
+def test_the_budget_check_fails_where_drafts_are_verified_against_the_unbudgeted_target(monkeypatch):
+    """The control: the forced tokens are still sent while forcing, but a draft that runs into a forced
+    position is verified against the model's own distribution there. The same check must see it."""
+    verify_step = engine.verify_step
+    monkeypatch.setattr(engine, "verify_step", lambda *args: verify_step(*args[:6]))
+    counts = first_two_counts(32, 2_000)
+    assert chi2_pvalue(counts, expected_first_two()) < 1e-12
+
+
+def test_a_greedy_budget_forces_the_end_and_the_cache_follows():
+    target = FakeBackend(markov_logits(np.eye(V) * 5.0), V)  # repeats its last token forever
+    drafter, _ = make_draft_model(markov_logits(np.eye(V) * 5.0), V)
+    budget = Budget([[9]], [[THINK_END]], [0, THINK_END], 2, inside=True)
+    events = list(generate(target, drafter, [0, 1, 1], SamplingParams(temperature=0.0), max_tokens=6,
+                           policy=FixedPolicy(4), budget=budget))
+    tokens = [(e.id, e.source) for e in events if isinstance(e, TokenEvent)]
+    # two thought tokens of its own, then the message and the end marker forced, then it goes on
+    assert [t for t, _ in tokens] == [1, 1, 0, THINK_END, THINK_END, THINK_END]
+    assert budget.forced_count == 2 and events[-1].stats.emitted == 6
+    assert target.tokens == [0, 1, 1, 1, 1, 0, THINK_END, THINK_END, THINK_END][:-1]
