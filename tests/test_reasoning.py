@@ -5,6 +5,7 @@ losslessness through the whole loop (chi-square on fakes, with a control that mu
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -279,3 +280,152 @@ def test_a_greedy_budget_forces_the_end_and_the_cache_follows():
     assert [t for t, _ in tokens] == [1, 1, 0, THINK_END, THINK_END, THINK_END]
     assert budget.forced_count == 2 and events[-1].stats.emitted == 6
     assert target.tokens == [0, 1, 1, 1, 1, 0, THINK_END, THINK_END, THINK_END][:-1]
+
+
+# -- the chat and the views with a thinking model (fakes) ---------------------------------------------------
+
+import io  # noqa: E402
+import json  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from specchat import chat, ui  # noqa: E402
+from specchat.loader import Loaded, LoadOptions, Selection  # noqa: E402
+from specchat.runner import RunOptions  # noqa: E402
+from specchat.transcript import load_transcript  # noqa: E402
+
+# a DeepSeek-R1-distill-shaped ChatML template: the prompt opens the thought, history keeps the answer only
+THINKING_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content.split('</think>')[-1] if m.role == 'assistant' else m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+CHAT_VOCAB, CHAT_EOG = 128, 0
+THOUGHT, ANSWER = "Two and two.", "Four."
+
+
+def thinking_logits(ctx: tuple[int, ...]) -> np.ndarray:
+    """Writes THOUGHT, then </think>, then ANSWER, then stops: one byte a token, after the opened thought."""
+    text = bytes(ctx).decode("latin-1")
+    written = text[text.rfind("<think>\n") + len("<think>\n"):]
+    reply = f"{THOUGHT}\n</think>\n\n{ANSWER}"
+    row = np.zeros(CHAT_VOCAB, dtype=np.float32)
+    row[ord(reply[len(written)]) if len(written) < len(reply) else CHAT_EOG] = 10.0
+    return row
+
+
+def thinking_session(tmp_path, *, budget: int = -1, live=False, make_view=None):
+    target = FakeBackend(thinking_logits, CHAT_VOCAB, eog=(CHAT_EOG,), pieces=[bytes([i]) for i in range(CHAT_VOCAB)],
+                         chat_template=THINKING_CHATML)
+    target.bos_text = target.eos_text = ""
+    loaded = Loaded(target, None, SimpleNamespace(name="fake"), None, "none")
+    from specchat.reasoning import ReasoningOptions
+
+    run = RunOptions(Selection("fake", None), LoadOptions(n_ctx=4096), SamplingParams(temperature=0.0), 8, None, 64,
+                     reasoning=ReasoningOptions(budget=budget, budget_message=" Enough." if budget >= 0 else None))
+    info = io.StringIO()
+    session = chat.ChatSession(loaded, run, console=ui.make_console(file=io.StringIO()),
+                               info=ui.make_console(file=info, width=200), out=io.StringIO(), live=live,
+                               transcript=chat.Transcript(tmp_path / "t.jsonl"), make_view=make_view)
+    return session, info
+
+
+def test_a_thinking_reply_is_kept_apart_from_its_answer(tmp_path):
+    session, info = thinking_session(tmp_path)
+    session.handle("What is two and two?")
+    reply = session.conversation.turns[-1]
+    assert reply == {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT}
+    assert session.out.getvalue() == ANSWER + "\n"  # a pipe gets the answer only
+    assert f"▸ thought for {len(THOUGHT) + 1} tokens" in info.getvalue()
+    saved = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert saved[-1]["content"] == ANSWER and saved[-1]["reasoning_content"] == THOUGHT
+    before = len(info.getvalue())
+    session.handle("/thought")
+    assert info.getvalue()[before:].strip() == THOUGHT
+    # the next turn: the template shows the answer only, and the turn still answers
+    session.handle("And three and three?")
+    assert session.conversation.turns[-1]["content"] == ANSWER
+    # --resume gives the thought back to the history
+    _, turns, _ = load_transcript(tmp_path / "t.jsonl")
+    assert turns[1] == {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT}
+
+
+def test_reasoning_off_and_on_switch_the_templates_enable_thinking(tmp_path):
+    session, info = thinking_session(tmp_path)
+    session.handle("/reasoning off")
+    assert session.loaded.target.chat_format.kwargs == {"enable_thinking": False}
+    session.handle("/reasoning auto")
+    assert session.loaded.target.chat_format.kwargs == {}
+    session.handle("/reasoning maybe")
+    assert "/reasoning takes on, off or auto" in info.getvalue()
+
+
+def test_a_budgeted_thought_is_cut_with_the_message_and_answered(tmp_path):
+    session, _ = thinking_session(tmp_path, budget=4)
+    session.handle("What is two and two?")
+    reply = session.conversation.turns[-1]
+    assert reply["reasoning_content"] == THOUGHT[:4] + " Enough."
+    assert reply["content"]  # the model answers after the forced end
+
+
+def test_the_live_view_folds_a_thought_to_one_line(tmp_path):
+    out = io.StringIO()
+    console = ui.make_console(file=out, width=80, force_terminal=True)
+    view = ui.LiveView(console, show_footer=False)
+    events = [TokenEvent(1, "Let me think.", "target", 0, "thought"), TokenEvent(2, "", "target", 0, "marker"),
+              TokenEvent(3, "\n\n", "target", 1, "answer"), TokenEvent(4, "Four.", "accepted", 1, "answer")]
+    ui.show(iter([*events, Finished("", [1, 2, 3, 4], "eog", None)]), view)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # the text, without colours and cursor moves
+    assert "▸ thought for 1 token" in shown and "Four." in shown and "Let me think." not in shown
+    assert shown.index("▸ thought") < shown.index("Four.")
+    assert view.last_thought.plain == "Let me think." and view.text == "Four."
+
+
+# -- a real model with a reasoning template -----------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_smollm2_with_a_thinking_template_is_split_and_budgeted(cli, tmp_path):
+    """SmolLM2 writes no </think> of its own: with the thought opened by the template and a budget of 8, the
+    end is forced after 8 tokens with the message, and --json splits the reply as llama-server would."""
+    template = tmp_path / "think.jinja"
+    template.write_text(THINKING_CHATML)
+    result = cli("prompt", "Why is the sky blue?", "-m", "smollm2-135m", "--chat-template-file", str(template),
+                 "--reasoning-budget", "8", "--reasoning-budget-message", " Enough thinking.", "--json", "--temp", "0",
+                 "-n", "40", "--draft-fixed", "3")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    phases = [t.get("phase", "answer") for t in doc["tokens"]]
+    assert phases[:8] == ["thought"] * 8 and "marker" in phases
+    assert doc["reasoning_content"].endswith("Enough thinking.")
+    assert doc["reasoning_content"] == "".join(t["text"] for t in doc["tokens"] if t.get("phase") == "thought").strip()
+    assert doc["content"] == "".join(t["text"] for t in doc["tokens"] if "phase" not in t).strip()
+    # --reasoning-format none: no split
+    result = cli("prompt", "Why is the sky blue?", "-m", "smollm2-135m", "--chat-template-file", str(template),
+                 "--reasoning-format", "none", "--json", "--temp", "0", "-n", "8", "--draft-fixed", "3")
+    doc = json.loads(result.stdout)
+    assert "reasoning_content" not in doc and all("phase" not in t for t in doc["tokens"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-rea", "maybe"], "-rea/--reasoning must be one of on, off, auto"),
+    (["--reasoning-format", "xml"], "--reasoning-format must be one of auto, none, deepseek, deepseek-legacy"),
+    (["--reasoning-budget", "-2"], "--reasoning-budget"),
+    (["--reasoning-effort", " "], "--reasoning-effort: empty"),
+    (["--reasoning-preserve", "--no-reasoning-preserve"], "not both"),
+])
+def test_bad_reasoning_flags_are_one_line_and_exit_2(cli, args, says):
+    result = cli("prompt", "hi", *args)
+    assert result.returncode == 2
+    assert says in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_reasoning_flags_become_the_templates_variables():
+    from specchat.options import RunArgs
+    from specchat.runner import template_options
+
+    _, kwargs = template_options(RunArgs(reasoning="off", reasoning_effort="high", reasoning_preserve=True))
+    assert kwargs == {"enable_thinking": False, "reasoning_effort": "high", "preserve_reasoning": True}
+    # --chat-template-kwargs wins key by key
+    _, kwargs = template_options(RunArgs(reasoning="on", chat_template_kwargs='{"enable_thinking": false}'))
+    assert kwargs == {"enable_thinking": False}
+    assert template_options(RunArgs(reasoning_effort="default"))[1] is None
