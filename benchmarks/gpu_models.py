@@ -312,7 +312,7 @@ def _write_role(args: tuple[str, str, str]) -> dict:
     path = write(Path(directory) / f"{role}.gguf", shape, context=context_of(role, shape))
     return {"role": role, "path": str(path), "seconds": round(time.perf_counter() - start, 1),
             "mib": round(path.stat().st_size / 2**20, 1), "parameters": shape.parameters(),
-            "context": context_of(role, shape), **asdict(shape)}
+            **asdict(shape), "context": context_of(role, shape)}  # the context used, not the shape's None
 
 
 def write_preset(directory: str | os.PathLike, preset: str, parallel: bool = True) -> list[dict]:

@@ -30,9 +30,19 @@ PRESET = gpu_models.PRESETS["test"]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    written = gpu_models.write_preset(tmp_path_factory.mktemp("gpu-models"), "test", parallel=False)
+def written(tmp_path_factory) -> list[dict]:
+    return gpu_models.write_preset(tmp_path_factory.mktemp("gpu-models"), "test", parallel=False)
+
+
+@pytest.fixture(scope="module")
+def models(written) -> dict[str, Path]:
     return {row["role"]: Path(row["path"]) for row in written}
+
+
+def test_each_model_row_says_the_context_it_was_written_with(written):
+    # gpu_check prints every row's context: a shape without one of its own was written with tiny_models'
+    for row in written:
+        assert row["context"] == gpu_models.context_of(row["role"], PRESET[row["role"]]) > 0
 
 
 def _loaded(path: Path) -> dict:
