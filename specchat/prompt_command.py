@@ -74,12 +74,16 @@ def prompt_command(
                 out.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
                 if show_stats:
                     out.print(ui.breakdown(finished.stats))
+                    if ui.phases_line(finished.split) is not None:
+                        out.print(ui.phases_line(finished.split))
         else:
             # a pipe: the text only; numbers on stderr when asked for
             finished = ui.show(events, ui.PlainView(sys.stdout))
             if show_stats and finished is not None:
                 err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
                 err.print(ui.breakdown(finished.stats))
+                if ui.phases_line(finished.split) is not None:
+                    err.print(ui.phases_line(finished.split))
 
 
 def print_json(events, loaded: Loaded, run: RunOptions, note=lambda: None) -> Finished:
@@ -94,7 +98,8 @@ def print_json(events, loaded: Loaded, run: RunOptions, note=lambda: None) -> Fi
     assert finished is not None
     doc = {
         "text": finished.text,
-        **({"content": finished.split.content, "reasoning_content": finished.split.reasoning_content}
+        **({"content": finished.split.content, "reasoning_content": finished.split.reasoning_content,
+            "phases": {phase: stats.as_dict() for phase, stats in finished.split.stats.items()}}
            if finished.split is not None else {}),
         "tokens": tokens,
         "prompt_token_ids": finished.prompt_token_ids,

@@ -19,8 +19,10 @@ import copy
 import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
+
+from .stats import RunStats
 
 Phase = Literal["thought", "answer"]
 FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")  # --reasoning-format, as llama.cpp names them
@@ -106,6 +108,8 @@ class Split:
     content: str = ""
     thought_tokens: int = 0
     answer_tokens: int = 0
+    # speculation in each phase: a verify step counts where the reply was when it began
+    stats: dict[str, RunStats] = field(default_factory=lambda: {"thought": RunStats(), "answer": RunStats()})
 
     def add(self, phase: Phase, text: str, tokens: int = 1) -> None:
         if phase == "thought":
@@ -243,7 +247,7 @@ def split_events(events: Iterable, reasoning: Reasoning | None) -> Iterator:
     """The engine's events with each TokenEvent's `phase` set ("thought", "answer", or "marker" with its text
     left out), and Finished carrying the `Split`. Unchanged where `reasoning` is None or its format is
     `none`. Order is kept; a token that may begin a marker comes out with the ones after it."""
-    from .engine import Finished, TokenEvent  # engine imports nothing of this module: no cycle
+    from .engine import Finished, StepEvent, TokenEvent  # engine imports nothing of this module: no cycle
 
     if reasoning is None or reasoning.format == "none":
         yield from events
@@ -263,9 +267,17 @@ def split_events(events: Iterable, reasoning: Reasoning | None) -> Iterator:
             else:
                 yield replace(event, phase=phase)
 
+    step_phase, step = splitter.phase, None
     try:
         for event in events:
+            if isinstance(event, StepEvent):
+                phase_stats = split.stats[step_phase]
+                phase_stats.add(event.stats)
+                phase_stats.generate_seconds += (event.stats.draft_seconds + event.stats.verify_seconds
+                                                 + event.stats.rollback_seconds)
             if isinstance(event, TokenEvent):
+                if event.step != step:  # the step's first token: the step counts in the phase it began in
+                    step_phase, step = splitter.phase, event.step
                 was_reopened = splitter.reopened
                 pairs = splitter.feed(event.id, event)
                 yield from decided(p for p in pairs if p[0] != "marker")

@@ -186,6 +186,19 @@ def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "", n
     return text
 
 
+def phases_line(split) -> Text | None:
+    """Speculation in the thought and in the answer apart (a reasoning model's reply), or None."""
+    if split is None or not split.stats["thought"].steps:
+        return None
+    parts = []
+    for phase, stats in split.stats.items():
+        if stats.steps:
+            accepted = f"accepted {_pct(stats.acceptance_rate)} of {stats.drafted}" if stats.drafted else "nothing drafted"
+            parts.append(f"{phase}: {stats.emitted} tokens · {stats.tokens_per_second or 0.0:.1f} tok/s · {accepted} · "
+                         f"{stats.mean_accepted_length or 0.0:.2f} tokens/step")
+    return Text(" | ".join(parts), style="spec.summary")
+
+
 def thought_line(tokens: int, seconds: float, answered: bool = True) -> Text:
     """A finished thought, folded to one line."""
     line = Text("▸ thought", style="spec.thought.label")

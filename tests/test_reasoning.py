@@ -399,6 +399,10 @@ def test_smollm2_with_a_thinking_template_is_split_and_budgeted(cli, tmp_path):
     assert doc["reasoning_content"].endswith("Enough thinking.")
     assert doc["reasoning_content"] == "".join(t["text"] for t in doc["tokens"] if t.get("phase") == "thought").strip()
     assert doc["content"] == "".join(t["text"] for t in doc["tokens"] if "phase" not in t).strip()
+    # speculation per phase: every step counted once, in the phase it began in
+    thought, answer = doc["phases"]["thought"], doc["phases"]["answer"]
+    assert thought["steps"] > 0 and thought["steps"] + answer["steps"] == doc["stats"]["steps"]
+    assert thought["drafted"] + answer["drafted"] == doc["stats"]["drafted"]
     # --reasoning-format none: no split
     result = cli("prompt", "Why is the sky blue?", "-m", "smollm2-135m", "--chat-template-file", str(template),
                  "--reasoning-format", "none", "--json", "--temp", "0", "-n", "8", "--draft-fixed", "3")
