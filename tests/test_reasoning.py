@@ -433,3 +433,22 @@ def test_reasoning_flags_become_the_templates_variables():
     _, kwargs = template_options(RunArgs(reasoning="on", chat_template_kwargs='{"enable_thinking": false}'))
     assert kwargs == {"enable_thinking": False}
     assert template_options(RunArgs(reasoning_effort="default"))[1] is None
+
+
+def test_ctrl_c_during_the_thought_keeps_it(tmp_path):
+    class StopAt(ui.PlainView):
+        def feed(self, event):
+            super().feed(event)
+            if isinstance(event, TokenEvent) and len(self.token_ids) == 5:
+                raise KeyboardInterrupt
+
+    views = [lambda: StopAt(io.StringIO()), lambda: ui.PlainView(io.StringIO())]
+    session, _ = thinking_session(tmp_path, make_view=lambda: views.pop(0)())
+    session.handle("What is two and two?")
+    kept = session.conversation.turns[-1]
+    assert kept == {"role": "assistant", "content": "", "reasoning_content": THOUGHT[:5]}
+    record = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])
+    assert record["interrupted"] is True and record["reasoning_content"] == THOUGHT[:5]
+    assert session.loaded.target.tokens == session.conversation.ids[:-1]  # the cache holds what was kept
+    session.handle("Go on.")  # the chat goes on
+    assert session.conversation.turns[-1]["content"] == ANSWER

@@ -209,3 +209,33 @@ def test_sigterm_mid_reply_saves_the_partial_reply_and_leaves_the_terminal_clean
     records = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert [r["role"] for r in records] == ["user", "assistant"]
     assert records[1]["interrupted"] is True and records[1]["content"].strip()  # the partial reply
+
+
+def test_a_thought_streams_apart_and_folds_to_one_line(tmux, tmp_path):
+    """SmolLM2 under a template that opens a thought, budgeted: the thought streams under its label, folds to
+    one line, and /thought shows it whole."""
+    template = tmp_path / "think.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content.split('</think>')[-1] if m.role == 'assistant' else m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    command = (f"cd {shlex.quote(str(REPO))} && SPECCHAT_HOME={shlex.quote(str(tmp_path / 'home'))} "
+               f"{shlex.quote(sys.executable)} -m specchat.cli chat -n 60 --temp 0 --draft-fixed 3 -c 2048 -t 1 "
+               f"--chat-template-file {shlex.quote(str(template))} --reasoning-budget 40; echo EXITED $?; sleep 60")
+    tmux.start(command, tmp_path / "tmux.conf")
+    tmux.wait_for(at_prompt, 60, "the prompt after loading")
+    tmux.type("Why is the sky blue?")
+    tmux.send("Enter")
+    tmux.wait_for(lambda s: re.search(r"^thinking · \d+ tokens$", s, re.M) is not None, 60, "the streaming thought",
+                  interval=0.02)
+    screen = tmux.wait_for(lambda s: summaries(s) == 1 and at_prompt(s), 60, "the reply")
+    assert re.search(r"^▸ thought for 40 tokens · [\d.]+ s", screen, re.M)
+    assert "thinking ·" not in screen  # the live label is gone with the thought
+    thought_rows = screen.split("▸ thought")[0].split("Why is the sky blue?")[-1]
+    assert not thought_rows.strip()  # the thought itself is not left on screen
+    tmux.type("/thought")
+    tmux.send("Enter")
+    screen = tmux.wait_for(lambda s: at_prompt(s) and "/thought" in s and len(s.split("/thought")[-1].strip()) > 40,
+                           10, "/thought")
+    tmux.send("C-d")
+    tmux.wait_for(lambda s: "EXITED 0" in s, 20, "exit")
