@@ -297,8 +297,8 @@ class ChatSession:
         self.info.print(ui.summary_line(stats, reason, self.drafter_label, note), soft_wrap=True)
         if self.show_stats:
             self.info.print(ui.breakdown(stats))
-            if ui.phases_line(turn.split) is not None:
-                self.info.print(ui.phases_line(turn.split))
+            if ui.phases_line(turn.split and turn.split.stats) is not None:
+                self.info.print(ui.phases_line(turn.split and turn.split.stats))
 
     def _view(self):
         if self._make_view is not None:

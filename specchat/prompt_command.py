@@ -74,16 +74,16 @@ def prompt_command(
                 out.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
                 if show_stats:
                     out.print(ui.breakdown(finished.stats))
-                    if ui.phases_line(finished.split) is not None:
-                        out.print(ui.phases_line(finished.split))
+                    if ui.phases_line(finished.split and finished.split.stats) is not None:
+                        out.print(ui.phases_line(finished.split and finished.split.stats))
         else:
             # a pipe: the text only; numbers on stderr when asked for
             finished = ui.show(events, ui.PlainView(sys.stdout))
             if show_stats and finished is not None:
                 err.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
                 err.print(ui.breakdown(finished.stats))
-                if ui.phases_line(finished.split) is not None:
-                    err.print(ui.phases_line(finished.split))
+                if ui.phases_line(finished.split and finished.split.stats) is not None:
+                    err.print(ui.phases_line(finished.split and finished.split.stats))
 
 
 def print_json(events, loaded: Loaded, run: RunOptions, note=lambda: None) -> Finished:

@@ -186,12 +186,12 @@ def summary_line(stats: RunStats, finish_reason: str, drafter_label: str = "", n
     return text
 
 
-def phases_line(split) -> Text | None:
+def phases_line(by_phase: dict[str, RunStats] | None) -> Text | None:
     """Speculation in the thought and in the answer apart (a reasoning model's reply), or None."""
-    if split is None or not split.stats["thought"].steps:
+    if not by_phase or not by_phase["thought"].steps:
         return None
     parts = []
-    for phase, stats in split.stats.items():
+    for phase, stats in by_phase.items():
         if stats.steps:
             accepted = f"accepted {_pct(stats.acceptance_rate)} of {stats.drafted}" if stats.drafted else "nothing drafted"
             parts.append(f"{phase}: {stats.emitted} tokens · {stats.tokens_per_second or 0.0:.1f} tok/s · {accepted} · "

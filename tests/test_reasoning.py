@@ -452,3 +452,38 @@ def test_ctrl_c_during_the_thought_keeps_it(tmp_path):
     assert session.loaded.target.tokens == session.conversation.ids[:-1]  # the cache holds what was kept
     session.handle("Go on.")  # the chat goes on
     assert session.conversation.turns[-1]["content"] == ANSWER
+
+
+def test_report_counts_the_thought_and_the_answer_apart(tmp_path):
+    from specchat.report import prompts as rp_prompts
+    from specchat.report.command import phases_by_setting
+    from specchat.report.run import record_from_dict, run_report
+    from specchat.reasoning import prepare, ReasoningOptions
+    from specchat.template import render, render_text
+
+    session, _ = thinking_session(tmp_path)
+    target = session.loaded.target
+    seen = []
+
+    def render_messages(messages):
+        seen.append([dict(m) for m in messages])
+        return render(target, messages).token_ids, []
+
+    def reasoning_for(messages):
+        return prepare(target, render_text(target, messages), ReasoningOptions()), lambda: None
+
+    items = [rp_prompts.PromptItem("sum", "maths", ("What is two and two?", "And three and three?"))]
+    settings = rp_prompts.parse_sweep("2")
+    records = run_report(target, None, items, settings, SamplingParams(temperature=0.0), max_tokens=64,
+                         render=render_messages, policy_for=lambda s: FixedPolicy(0), reasoning_for=reasoning_for)
+    assert all(r.phases is not None and r.content == ANSWER and r.reasoning_content == THOUGHT for r in records)
+    first = records[0]
+    assert first.phases["thought"].emitted + first.phases["answer"].emitted == first.stats.emitted
+    assert first.phases["thought"].steps + first.phases["answer"].steps == first.stats.steps
+    # the second turn gets the answer and the thought apart, as a chat would
+    assert seen[1][1] == {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT}
+    again = record_from_dict(json.loads(json.dumps(first.as_dict())))
+    assert again.phases["thought"].emitted == first.phases["thought"].emitted and again.content == ANSWER
+    merged = phases_by_setting(records, settings)
+    assert merged["target-only"]["thought"].emitted == sum(r.phases["thought"].emitted for r in records
+                                                           if r.setting == "target-only")

@@ -13,6 +13,8 @@ from ..drafters import members
 from ..errors import UserError
 from ..loader import make_policy
 from ..policy import FixedPolicy, Policy
+from ..stats import RunStats
+from ..ui import phases_line
 from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting, load_prompts, parse_sweep, select_prompts
 from .render import (TERMINAL_POSITIONS, build_doc, check_out_dir, number_text, rich_tables, speedup_text, table_specs,
                      usage_hint, write_outputs)
@@ -22,6 +24,20 @@ from .run import run_report, warm_up
 # -- the command -------------------------------------------------------------------------------------
 
 REPORT = "Report"
+
+
+def phases_by_setting(records, settings) -> dict[str, dict[str, RunStats]]:
+    """A thinking model's speculation in the thought and in the answer apart, per setting (merged over runs)."""
+    out: dict[str, dict[str, RunStats]] = {}
+    for setting in settings:
+        runs = [r for r in records if r.setting == setting.name and r.phases]
+        if runs:
+            merged = {phase: RunStats() for phase in runs[0].phases}
+            for r in runs:
+                for phase, stats in r.phases.items():
+                    merged[phase].merge(stats)
+            out[setting.name] = merged
+    return out
 
 
 def projection_basis(pr: dict) -> str:
@@ -83,11 +99,13 @@ def report_command(
     Writes report.json (every run), report.md and report.png to --out. Greedy (--temp 0) by default.
     """
     from rich.console import Console
+    from rich.text import Text
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from ..config import load_config
     from ..runner import loading, measuring_notice, run_options
-    from ..template import render
+    from ..reasoning import budget_for, prepare as prepare_reasoning
+    from ..template import has_template, render, render_text
 
     if recalibrate and run.reproducible:
         raise UserError("--recalibrate measures this machine's costs and --reproducible uses fixed ones: drop one")
@@ -109,6 +127,12 @@ def report_command(
         def render_messages(messages: list[dict]) -> tuple[list[int], list[str]]:
             rendered = render(loaded.target, messages)
             return rendered.token_ids, rendered.stop + run.stop
+
+        def reasoning_for(messages: list[dict]):
+            if not has_template(loaded.target):
+                return None, lambda: None
+            reasoning = prepare_reasoning(loaded.target, render_text(loaded.target, messages), run.reasoning)
+            return reasoning, lambda: budget_for(reasoning, run.reasoning, loaded.target)
 
         def policy_for(setting: Setting) -> Policy:
             if setting.k is None:
@@ -132,7 +156,7 @@ def report_command(
 
             records = run_report(
                 loaded.target, loaded.drafter, items, settings, params, max_tokens=run.max_tokens,
-                render=render_messages, policy_for=policy_for, on_start=on_start,
+                render=render_messages, policy_for=policy_for, on_start=on_start, reasoning_for=reasoning_for,
                 on_run=lambda *a: progress.advance(task),
             )
         from ..crossvocab import rule_info, rule_label
@@ -147,6 +171,10 @@ def report_command(
         )
         if rule:
             doc["cross_vocab"] = rule_info(loaded.drafter, run.params)
+        phases = phases_by_setting(records, settings)
+        if phases:  # a thinking model: the thought and the answer apart
+            doc["phases"] = {name: {phase: stats.as_dict() for phase, stats in by_phase.items()}
+                             for name, by_phase in phases.items()}
     paths = write_outputs(doc, out)
     if keep_replies:
         from ..history import save_replies
@@ -175,5 +203,9 @@ def report_command(
         need = doc.get("min_position_samples", 1)
         console.print(f"No projection: no draft position was drafted {need} times or more (run more prompts than "
                       "--limit allows)", markup=False)
+    for name, by_phase in phases.items():
+        line = phases_line(by_phase)
+        if line is not None:
+            console.print(Text(f"{name}: ").append(line))
     for kind, path in paths.items():
         console.print(f"{kind:>8}: {path}")

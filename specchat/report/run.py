@@ -12,6 +12,7 @@ from ..drafters import Drafter, own_backends
 from ..engine import Finished, TokenEvent, generate
 from ..errors import UserError
 from ..policy import Policy
+from ..reasoning import Budget, Reasoning, split_events
 from ..sampling import SamplingParams
 from ..stats import RunStats
 from .prompts import BASELINE, PromptItem, Setting
@@ -35,6 +36,10 @@ class RunRecord:
     token_ids: list[int] = field(default_factory=list)
     sources: dict[str, int] = field(default_factory=dict)  # emitted tokens by where they came from
     matches_baseline: bool | None = None  # same tokens as target-only (None for target-only itself)
+    # a reasoning model's reply: speculation in the thought and in the answer apart, and the two texts
+    phases: dict[str, RunStats] | None = None
+    reasoning_content: str = ""
+    content: str | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -48,6 +53,8 @@ class RunRecord:
             "sources": dict(sorted(self.sources.items())),
             "stats": self.stats.as_dict(counts=True),
             "text": self.text,
+            **({"phases": {phase: stats.as_dict(counts=True) for phase, stats in self.phases.items()},
+                "content": self.content, "reasoning_content": self.reasoning_content} if self.phases else {}),
         }
 
 
@@ -56,6 +63,8 @@ def record_from_dict(d: dict) -> RunRecord:
         prompt_id=d["prompt_id"], category=d["category"], turn=d["turn"], setting=d["setting"], order=d["order"],
         stats=RunStats.from_dict(d["stats"]), finish_reason=d.get("finish_reason", ""), text=d.get("text", ""),
         sources=dict(d.get("sources", {})), matches_baseline=d.get("matches_baseline"),
+        phases={phase: RunStats.from_dict(stats) for phase, stats in d["phases"].items()} if d.get("phases") else None,
+        reasoning_content=d.get("reasoning_content", ""), content=d.get("content"),
     )
 
 
@@ -70,10 +79,13 @@ def record_from_events(events: Iterable, *, prompt_id: str, category: str, turn:
             finished = event
     if finished is None:
         raise RuntimeError("generation ended without a Finished event")
+    split = finished.split
     return RunRecord(
         prompt_id=prompt_id, category=category, turn=turn, setting=setting, order=order, stats=finished.stats,
         finish_reason=finished.finish_reason, text=finished.text, token_ids=list(finished.token_ids),
-        sources=dict(sources),
+        sources=dict(sources), phases=split.stats if split is not None else None,
+        reasoning_content=split.reasoning_content if split is not None else "",
+        content=split.content if split is not None else None,
     )
 
 
@@ -100,8 +112,10 @@ def run_report(
     policy_for: Callable[[Setting], Policy],
     on_run: Callable[[PromptItem, int, Setting, RunRecord], None] = lambda *a: None,
     on_start: Callable[[PromptItem, int, Setting], None] = lambda *a: None,
+    reasoning_for: Callable[[list[dict]], tuple[Reasoning | None, Callable[[], Budget | None]]] = lambda m: (None, lambda: None),
 ) -> list[RunRecord]:
-    """Run every item's turns under every setting; target-only first on even items, last on odd ones."""
+    """Run every item's turns under every setting; target-only first on even items, last on odd ones.
+    `reasoning_for(messages)`: how to split a thinking model's reply to them, and a fresh budget per run."""
     records: list[RunRecord] = []
     for index, item in enumerate(items):
         history: list[dict] = []
@@ -109,14 +123,15 @@ def run_report(
         for turn, text in enumerate(item.turns):
             messages = [*history, {"role": "user", "content": text}]
             prompt_ids, stops = render(messages)
+            reasoning, budget = reasoning_for(messages)
             by_setting: dict[str, RunRecord] = {}
             for position, setting in enumerate(order):
                 on_start(item, turn, setting)
                 reset_caches(target, drafter)
-                events = generate(
+                events = split_events(generate(
                     target, None if setting.is_baseline else drafter, prompt_ids, params,
-                    max_tokens=max_tokens, stop=stops, policy=policy_for(setting),
-                )
+                    max_tokens=max_tokens, stop=stops, policy=policy_for(setting), budget=budget(),
+                ), reasoning)
                 try:
                     record = record_from_events(
                         events, prompt_id=item.id, category=item.category, turn=turn, setting=setting.name,
@@ -131,7 +146,10 @@ def run_report(
             for name, record in by_setting.items():
                 if name != BASELINE:
                     record.matches_baseline = record.token_ids == base.token_ids
-            history = [*messages, {"role": "assistant", "content": base.text}]
+            answer = {"role": "assistant", "content": base.text if base.content is None else base.content}
+            if base.reasoning_content:
+                answer["reasoning_content"] = base.reasoning_content
+            history = [*messages, answer]
     return records
 
 
