@@ -147,35 +147,30 @@ def generate(
             decided = verified.tokens(drafts)
             if forcing:
                 decided = [(token, "target") for token, _ in decided]
-            for event in reply.emit(decided, stats.steps):
-                if budget is not None:
-                    budget.accept(event.id)
-                yield event
+            if budget is None:
+                yield from reply.emit(decided, stats.steps)
+            else:
+                for event in reply.emit(decided, stats.steps):
+                    budget.accept(event.id)  # the budget's state follows every emitted token
+                    yield event
             emitted = reply.generated[n_before:]
-            if forcing:  # no drafter drafted: the step is the target's, and teaches the policy nothing
-                step = StepStats(step=stats.steps, drafted=0, accepted=0, emitted=len(emitted),
-                                 decided=len(emitted) + (reply.finish == "eog"), draft_seconds=0.0,
-                                 verify_seconds=t2 - t1 - verified.rollback_seconds,
-                                 rollback_seconds=verified.rollback_seconds)
-                stats.add(step)
-                stats.generate_seconds = time.perf_counter() - gen_started
-                yield StepEvent(step, stats.snapshot())
-                continue
+            drafted = 0 if forcing else len(drafts)  # forced tokens are the budget's, not a drafter's
             # a token that ended generation inside the step still counts as accepted, not as emitted
             step = StepStats(
                 step=stats.steps,
-                drafted=len(drafts),
-                accepted=verified.accepted,
+                drafted=drafted,
+                accepted=verified.accepted if drafted else 0,
                 emitted=len(emitted),
                 decided=len(emitted) + (reply.finish == "eog"),
                 draft_seconds=t1 - t0,
                 verify_seconds=t2 - t1 - verified.rollback_seconds,
                 planned=draft.planned,
                 rollback_seconds=verified.rollback_seconds,
-                source=draft.source if drafts else "",
+                source=draft.source if drafted else "",
             )
             stats.add(step)
-            policy.observe(step, emitted)
+            if not forcing:  # a forced step teaches the policy nothing about its drafters
+                policy.observe(step, emitted)
             stats.generate_seconds = time.perf_counter() - gen_started
             stats.rollback_recoveries = recoveries()
             yield StepEvent(step, stats.snapshot())

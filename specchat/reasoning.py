@@ -4,8 +4,10 @@ A reasoning model writes its thought between two markers (`<think>` ... `</think
 `<|START_THINKING|>` ... `<|END_THINKING|>` for Command-R, `<|channel>thought` ... `<channel|>` for Gemma 4,
 gpt-oss's analysis channel), and a template may open the thought itself at the end of the prompt (the reply
 then starts inside it). The markers are found as llama.cpp's chat layer finds them (common/chat.cpp and
-chat-diff-analyzer.cpp): by rendering an assistant turn with and without a `reasoning_content` and reading
-the markers around it, and by rendering the generation prompt with thinking on and off.
+chat-diff-analyzer.cpp): by rendering an assistant turn with a `reasoning_content` and reading the markers
+around it (gpt-oss's channels are known by name, as llama.cpp gives them a parser of their own); a template
+that drops the thought from history is read for the markers its source names. Whether the prompt opened
+the thought is read from the rendered prompt itself.
 
 The split is made on token ids, as llama.cpp's reasoning budget matches its start and end sequences: a
 marker is the token sequence the model's tokenizer gives it (special tokens parsed), and a token that may
