@@ -41,7 +41,7 @@ import numpy as np
 
 from . import kinds
 from .backend import Backend, HeldPrefix, common_prefix, sync
-from .drafters import Draft, ModelDrafting, draft_token
+from .drafters import Draft, ModelDrafting, draft_token, members
 from .sampling import (
     Dist, SamplingParams, apply_penalties, draft_confidence, penalty_window, process, sample, top_k_ids,
 )
@@ -505,14 +505,23 @@ class CrossVocabDrafter(ModelDrafting):
         return int(ids[np.argmax(row[ids])])
 
 
+def _cross_vocab_member(drafter) -> CrossVocabDrafter | None:
+    """The drafter, or the member of a chain (`--hybrid` puts prompt lookup in front), that drafts across
+    vocabularies; None where none does."""
+    return next((m for m in members(drafter) if isinstance(m, CrossVocabDrafter)), None) if drafter else None
+
+
 def rule_label(drafter, params: SamplingParams) -> str:
-    """'cross-vocab SLEM' / 'cross-vocab TLI' for a cross-vocabulary drafter, '' for any other."""
-    return drafter.describe(params) if isinstance(drafter, CrossVocabDrafter) else ""
+    """'cross-vocab SLEM' / 'cross-vocab TLI' for a drafter (or chain) that drafts across vocabularies, ''
+    for any other."""
+    member = _cross_vocab_member(drafter)
+    return member.describe(params) if member is not None else ""
 
 
 def rule_info(drafter, params: SamplingParams) -> dict | None:
     """What --json reports about the cross-vocabulary rule (None for same-vocabulary drafters)."""
-    if not isinstance(drafter, CrossVocabDrafter):
+    member = _cross_vocab_member(drafter)
+    if member is None:
         return None
-    return {"rule": drafter.rule_for(params), "requested": drafter.rule,
-            "shared_fraction": drafter.map.shared_fraction, "steps_by_rule": dict(drafter.rules_run)}
+    return {"rule": member.rule_for(params), "requested": member.rule,
+            "shared_fraction": member.map.shared_fraction, "steps_by_rule": dict(member.rules_run)}
