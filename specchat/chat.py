@@ -21,6 +21,7 @@ from . import options as opt
 from . import rpc, slash, ui
 from .backend import sync
 from .conversation import Conversation, Turn
+from .drafters import run_label
 from .errors import BackendError, SpecchatError
 from .loader import Loaded
 from .paths import data_dir
@@ -279,7 +280,7 @@ class ChatSession:
             "generated": len(turn.token_ids),
             "finish_reason": reason,
         })
-        note = getattr(self.policy, "last_note", None) if self.drafter is not None else None
+        note = self.policy.last_note if self.drafter is not None else None
         self.info.print(ui.summary_line(stats, reason, self.drafter_label, note), soft_wrap=True)
         if self.show_stats:
             self.info.print(ui.breakdown(stats))
@@ -287,9 +288,7 @@ class ChatSession:
     def _view(self):
         if self._make_view is not None:
             return self._make_view()
-        from .crossvocab import rule_label
-
-        return ui.make_view(self.console, self.out, live=self.live, label=rule_label(self.drafter, self.params))
+        return ui.make_view(self.console, self.out, live=self.live, label=run_label(self.drafter, self.params))
 
     def prefill(self) -> None:
         """After --resume: evaluate the restored conversation once, now rather than at the first turn."""

@@ -13,7 +13,7 @@ from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
 from .backend import Backend, BackendError, LlamaCppBackend
 from .config import Config, ModelSpec
 from .costs import CostModel, cached_cost_model, cost_cache_key, reference_cost_model
-from .drafters import Chain, Drafter, members, own_backends
+from .drafters import Chain, Drafter, Retargetable, is_free, members, own_backends
 from .gguf_header import gguf_arch
 from .kinds import DrafterKind
 from .memory import MAX_SNAPSHOTS
@@ -113,9 +113,8 @@ class Loaded:
                 old.backend.close()
             drafters[i] = drafter
         for drafter in drafters:
-            retarget = getattr(drafter, "retarget", None)
-            if retarget is not None:
-                retarget(local)
+            if isinstance(drafter, Retargetable):
+                drafter.retarget(local)
         if gone:
             rpc_workers.abandon(remote)
         else:
@@ -283,7 +282,7 @@ def _file_size(backend) -> int | None:
 def _reference_draft_cost(drafter: Drafter, target: Backend, verify: CostModel) -> CostModel | None:
     """--reproducible: what a draft token costs, from no clock: a head is one or a few layers on the
     target's weights; a draft model costs its file's size relative to the target's."""
-    if drafter.kind.free:
+    if is_free(drafter):
         return None
     if drafter.kind.cost in ("head", "block"):  # (a block: one forward of a head-sized model)
         return CostModel([1], [verify(1) * 0.1], measured=True)
@@ -316,7 +315,7 @@ def make_policy(loaded: Loaded, draft_max: int, draft_fixed: int | None, *, reme
     costs: list[CostModel | None] = []
     stores: list[AcceptanceStore | None] = []
     for drafter in drafters:
-        timed = drafter.backend is not None and not drafter.kind.free
+        timed = drafter.backend is not None and not is_free(drafter)
         costs.append(cached_cost_model(drafter.backend, cache_file, notify) if timed else None)
         store = None
         if remember and drafter.carried():  # (lookup carries nothing over: the file is not even read)

@@ -305,8 +305,7 @@ def test_changing_a_committed_token_fails_the_check():
 def test_a_hybrid_chain_keeps_the_cross_vocab_rule_label_and_json(cli, monkeypatch):
     """`--hybrid` puts prompt lookup in front of the draft: the chain still says which rule its
     cross-vocabulary member runs, in the live label and in --json's `cross_vocab`."""
-    from specchat.crossvocab import rule_info, rule_label
-    from specchat.drafters import Chain
+    from specchat.drafters import Chain, run_info, run_label
     from specchat.loader import Loaded
     from specchat.lookup import PromptLookup
 
@@ -315,8 +314,8 @@ def test_a_hybrid_chain_keeps_the_cross_vocab_rule_label_and_json(cli, monkeypat
         return target, Chain([PromptLookup(1, 32), drafter])
 
     target, chain = hybrid_pair()
-    assert rule_label(chain, SamplingParams(temperature=0.0)) == "cross-vocab SLEM"
-    assert rule_info(chain, SamplingParams(temperature=0.8))["rule"] == "tli"
+    assert run_label(chain, SamplingParams(temperature=0.0)) == "cross-vocab SLEM"
+    assert run_info(chain, SamplingParams(temperature=0.8))["cross_vocab"]["rule"] == "tli"
 
     def load(config, selection, opts, status=lambda m: None):
         target, chain = hybrid_pair()
