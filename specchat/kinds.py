@@ -5,13 +5,16 @@ needs no file, or the GGUF architecture of a `-md` file), how to build it (`fact
 imported only when a drafter of that kind is built), where its cost comes from (`cost`: "free" proposals
 are made every step and priced after; "model" and "head" drafts cost their own model's time per token,
 "block" drafts one forward of their model over the whole block, all priced before), and how the terminal
-shows its tokens. Adding a way of drafting is one module (the drafter, see
-drafters.Drafter) plus one entry here, or a `register()` call from anywhere (a plugin, a test).
+shows its tokens. Adding a way of drafting is one module (the drafter, see drafters.Drafter) plus one
+entry: here, from an installed package (an entry point in the group `specchat.drafters` naming a
+DrafterKind, or a function that returns one, found the first time the table is read), or a `register()`
+call from anywhere (a test).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,14 +44,20 @@ class DrafterKind:
         return self.cost == "free"
 
     def build(self, build) -> Any:
-        factory = self.factory
-        if isinstance(factory, str):
-            module, _, name = factory.partition(":")
-            factory = getattr(importlib.import_module(module), name)
-        return factory(build)
+        return _resolve(self.factory)(build)
 
 
-KINDS: dict[str, DrafterKind] = {}
+def _resolve(ref: str | Callable[..., Any]) -> Callable[..., Any]:
+    if isinstance(ref, str):
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return ref
+
+
+KINDS: dict[str, DrafterKind] = {}  # specchat's own; read through table(), which adds the installed ones
+
+ENTRY_POINT_GROUP = "specchat.drafters"
+_installed_read = False
 
 
 def register(kind: DrafterKind) -> DrafterKind:
@@ -88,36 +97,67 @@ DFLASH = register(DrafterKind(
 ))
 
 
+def table() -> dict[str, DrafterKind]:
+    """Every kind: specchat's own and, from the first call on, those installed packages offer."""
+    global _installed_read
+    if not _installed_read:
+        _installed_read = True
+        register_installed()
+    return KINDS
+
+
+def register_installed() -> list[str]:
+    """Register the kinds of the installed packages' `specchat.drafters` entry points; one that cannot be
+    loaded, is not a DrafterKind or clashes with a kind's names is left out with a line on stderr (a
+    broken plugin must not stop specchat). Returns the names registered."""
+    from importlib.metadata import entry_points  # (its import costs start-up time: paid once a kind is looked up)
+
+    added = []
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            kind = point.load()
+            if callable(kind) and not isinstance(kind, DrafterKind):
+                kind = kind()
+            if not isinstance(kind, DrafterKind):
+                raise TypeError(f"{point.value} is not a specchat.kinds.DrafterKind")
+            if kind.name in KINDS and KINDS[kind.name] is not kind:
+                raise ValueError(f"drafter kind {kind.name} is already specchat's")
+            added.append(register(kind).name)
+        except Exception as e:  # (any failure of someone else's code)
+            print(f"specchat: warning: drafter plugin {point.name} ({point.value}) left out: {e}", file=sys.stderr)
+    return added
+
+
 def by_name(name: str) -> DrafterKind | None:
-    return KINDS.get(name)
+    return table().get(name)
 
 
 def by_spec_type(spec_type: str) -> DrafterKind | None:
     spec_type = spec_type.strip().lower()
-    return next((k for k in KINDS.values() if spec_type in k.spec_types), None)
+    return next((k for k in table().values() if spec_type in k.spec_types), None)
 
 
 def by_word(word: str) -> DrafterKind | None:
     """The kind a `-md` / `draft` word names without a file (prompt-lookup, mtp), or None: a model ref."""
-    return next((k for k in KINDS.values() if k.word is not None and k.word == word), None)
+    return next((k for k in table().values() if k.word is not None and k.word == word), None)
 
 
 def for_file(arch: str | None) -> DrafterKind:
     """The kind a -md file drafts as, by its GGUF architecture: a head trained for the target, else a model."""
-    return next((k for k in KINDS.values() if arch in k.archs), DRAFT_MODEL)
+    return next((k for k in table().values() if arch in k.archs), DRAFT_MODEL)
 
 
 def words() -> tuple[str, ...]:
-    return tuple(k.word for k in KINDS.values() if k.word is not None)
+    return tuple(k.word for k in table().values() if k.word is not None)
 
 
 def spec_types() -> tuple[str, ...]:
-    return tuple(t for k in KINDS.values() for t in k.spec_types)
+    return tuple(t for k in table().values() for t in k.spec_types)
 
 
 def source_style(source: str) -> tuple[str, str]:
     """(what the terminal calls a StepStats.source, the style it shows it in)."""
-    for kind in KINDS.values():
+    for kind in table().values():
         if source == kind.name:
             return kind.label, kind.colour
         if source in kind.sources:
