@@ -75,6 +75,14 @@ class DraftingHead(Protocol):
         """The rows the head's entries pair with, from what the target handed over."""
 
 
+def describe_eagle3_file(path: Path) -> str:
+    """What an EAGLE-3 file is for, as `specchat models` says it: a target of this width, these layers read."""
+    values = gguf_values(path)[1]
+    layers = ", ".join(str(x) for x in values.get("target_layers", ())) or "?"
+    return (f"EAGLE-3 head for a target of width {values.get('target_hidden_size', '?')}, reading its layers "
+            f"{layers} (-md it with that target)")
+
+
 class HeadBackend(DraftingHead):
     """A drafting head: a llama.cpp context whose every entry is a token AND a hidden row. Which row goes
     with which token is the drafter's business (drafters.HeadDrafter); `eval` takes them paired

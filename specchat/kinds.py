@@ -38,6 +38,9 @@ class DrafterKind:
     target_options: dict[str, Any] = field(default_factory=dict)  # how the target must be loaded for it
     # other names its drafts carry in StepStats.source (lookup's "history": earlier replies), with labels
     sources: dict[str, str] = field(default_factory=dict)
+    # what a -md file of one of its `archs` is for, as `specchat models` says it: "module:function" (or a
+    # callable) of the file's path, imported only when a table shows such a file; None: its memory kind
+    describes: str | Callable[..., str] | None = None
 
     @property
     def free(self) -> bool:
@@ -45,6 +48,9 @@ class DrafterKind:
 
     def build(self, build) -> Any:
         return _resolve(self.factory)(build)
+
+    def describe_file(self, path) -> str | None:
+        return _resolve(self.describes)(path) if self.describes is not None else None
 
 
 def _resolve(ref: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -89,11 +95,13 @@ MTP = register(DrafterKind(
 EAGLE3 = register(DrafterKind(
     "eagle3", "EAGLE-3 head", "specchat.drafters:build_eagle3", cost="head", spec_types=("draft-eagle3",),
     archs=("eagle3",), needs_file=True, reads_target=True, colour="blue",
+    describes="specchat.heads:describe_eagle3_file",
 ))
 DFLASH = register(DrafterKind(
     # DFlash and DSpark drafts are one architecture (dflash); the file says which (a Markov head: DSpark)
     "dflash", "DFlash", "specchat.dflash:build_dflash", cost="block", spec_types=("draft-dflash", "draft-dspark"),
     archs=("dflash",), needs_file=True, reads_target=True, colour="blue", sources={"dspark": "DSpark"},
+    describes="specchat.dflash:describe_file",
 ))
 
 
