@@ -2,10 +2,9 @@
 
 An entry says how a user names the kind (llama.cpp's `--spec-type` names, a `-md` / models.toml word that
 needs no file, or the GGUF architecture of a `-md` file), how to build it (`factory`, "module:function",
-imported only when a drafter of that kind is built), where its cost comes from (`cost`: "free" proposals
-are made every step and priced after; "model" and "head" drafts cost their own model's time per token,
-"block" drafts one forward of their model over the whole block, all priced before), and how the terminal
-shows its tokens. Adding a way of drafting is one module (the drafter, see drafters.Drafter) plus one
+imported only when a drafter of that kind is built), what sort of cost its drafts have (`cost`: for
+what reads only the kind's name, a report and --reproducible's fixed costs; the policy prices each draft
+by what the drafter itself reports, drafters.Drafter.forwards), and how the terminal shows its tokens. Adding a way of drafting is one module (the drafter, see drafters.Drafter) plus one
 entry: here, from an installed package (an entry point in the group `specchat.drafters` naming a
 DrafterKind, or a function that returns one, found the first time the table is read), or a `register()`
 call from anywhere (a test).
@@ -27,7 +26,7 @@ class DrafterKind:
     # the factory: "module:function" (or a callable), called as factory(build) -> Drafter (loader.Build)
     factory: str | Callable[..., Any]
     # "free" (proposals cost nothing) | "model" | "head" (one or a few layers on the target), both a forward per
-    # token | "block" (one forward for the whole draft, of `drafter.extra_slots` + its tokens)
+    # token | "block" (one forward for the whole draft, whatever its length)
     cost: str = "model"
     spec_types: tuple[str, ...] = ()  # llama.cpp's --spec-type names for it
     word: str | None = None  # the -md / models.toml `draft` word that means it without a file ("mtp")
