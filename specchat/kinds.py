@@ -103,6 +103,10 @@ DFLASH = register(DrafterKind(
     describes="specchat.dflash:describe_file",
 ))
 
+# What drafts when no drafter is named (-m alone), and what --hybrid (a pair's `lookup`) puts in front of
+# another drafter: prompt lookup needs no second model and costs nothing where the text does not repeat.
+DEFAULT = HYBRID_FRONT = PROMPT_LOOKUP
+
 
 def table() -> dict[str, DrafterKind]:
     """Every kind: specchat's own and, from the first call on, those installed packages offer."""

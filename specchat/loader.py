@@ -163,7 +163,7 @@ def select(config: Config, *, pair: str | None, target: str | None, draft: str |
         rpc = chosen.rpc if target is None else ()
         target = target or chosen.target
         pair_drafts = chosen.drafts
-    lookup = kinds.PROMPT_LOOKUP.word
+    front = kinds.HYBRID_FRONT.word
     file_kind = next((k for k in spec_types if k.needs_file), None)
     if spec_types:
         model = draft or next((d for d in pair_drafts if kinds.by_word(d) is None), None)
@@ -171,9 +171,9 @@ def select(config: Config, *, pair: str | None, target: str | None, draft: str |
     elif draft is not None:
         drafts = (draft,)
     else:
-        drafts = pair_drafts or (lookup,)
-    if hybrid is not None and any(d != lookup for d in drafts):
-        drafts = ((lookup,) if hybrid else ()) + tuple(d for d in drafts if d != lookup)
+        drafts = pair_drafts or (kinds.DEFAULT.word,)
+    if hybrid is not None and any(d != front for d in drafts):
+        drafts = ((front,) if hybrid else ()) + tuple(d for d in drafts if d != front)
     if no_spec or not drafts:
         return Selection(target, None, rpc)
     return Selection(target, drafts[0] if len(drafts) == 1 else drafts, rpc, file_kind)
