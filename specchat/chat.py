@@ -22,6 +22,7 @@ from . import options as opt
 from . import rpc, slash, ui
 from .backend import sync
 from .conversation import Conversation, Turn
+from .drafters import run_label
 from .errors import BackendError, SpecchatError
 from .loader import Loaded
 from .paths import data_dir
@@ -290,7 +291,7 @@ class ChatSession:
             "generated": len(turn.token_ids),
             "finish_reason": reason,
         })
-        note = getattr(self.policy, "last_note", None) if self.drafter is not None else None
+        note = self.policy.last_note if self.drafter is not None else None
         if turn.split is not None and turn.split.thought_tokens and not self.live:
             # a pipe shows the answer only: say that there was a thought (/thought shows it)
             self.info.print(ui.thought_line(turn.split.thought_tokens, 0.0, bool(turn.split.content)), soft_wrap=True)
@@ -303,9 +304,7 @@ class ChatSession:
     def _view(self):
         if self._make_view is not None:
             return self._make_view()
-        from .crossvocab import rule_label
-
-        return ui.make_view(self.console, self.out, live=self.live, label=rule_label(self.drafter, self.params))
+        return ui.make_view(self.console, self.out, live=self.live, label=run_label(self.drafter, self.params))
 
     def prefill(self) -> None:
         """After --resume: evaluate the restored conversation once, now rather than at the first turn."""

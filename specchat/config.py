@@ -442,10 +442,10 @@ class _File:
                                                 '(a chain: draft = ["mtp", "prompt-lookup"])')
         drafts = [self.ref(keys + ("draft",), d) for d in listed]
         lookup = self.get(body, keys, "lookup", bool, False)
-        word = kinds.PROMPT_LOOKUP.word
+        word = kinds.HYBRID_FRONT.word
         if lookup and word in drafts:
-            raise self.error(keys + ("lookup",), "needs a draft model to fall back on; this pair's draft is prompt-lookup"
-                             if len(drafts) == 1 else "adds prompt-lookup, which this pair's draft already names")
+            raise self.error(keys + ("lookup",), f"needs a draft model to fall back on; this pair's draft is {word}"
+                             if len(drafts) == 1 else f"adds {word}, which this pair's draft already names")
         if lookup:  # the older spelling of a chain: prompt lookup first, the draft otherwise
             drafts.insert(0, word)
         if len(set(drafts)) < len(drafts):

@@ -41,7 +41,7 @@ import numpy as np
 
 from . import kinds
 from .backend import Backend, HeldPrefix, common_prefix, sync
-from .drafters import Draft, ModelDrafting, draft_token
+from .drafters import Draft, Labelled, ModelDrafting, Retargetable, draft_token
 from .sampling import (
     Dist, SamplingParams, apply_penalties, draft_confidence, penalty_window, process, sample, top_k_ids,
 )
@@ -214,7 +214,7 @@ def _text(data: bytes) -> str:
 # -- the drafter ------------------------------------------------------------------------------------
 
 
-class CrossVocabDrafter(ModelDrafting):
+class CrossVocabDrafter(ModelDrafting, Retargetable, Labelled):
     """A draft model whose vocabulary differs from the target's (see the module doc)."""
 
     kind = kinds.DRAFT_MODEL  # a draft model whatever its tokenizer: priced and shown as one
@@ -243,18 +243,23 @@ class CrossVocabDrafter(ModelDrafting):
 
     # -- which rule ----------------------------------------------------------------------------------
 
-
     def retarget(self, target: Backend) -> None:
         """The target was loaded again (`/rpc off`): the same file, so the vocabulary map still holds; only
         the backend its texts are read through changes."""
         self.target = target
+
     def rule_for(self, params: SamplingParams) -> str:
         if self.rule != "auto":
             return self.rule
         return "tli" if not params.greedy and self.map.shared_fraction >= TLI_MIN_SHARED else "slem"
 
-    def describe(self, params: SamplingParams) -> str:
+    def run_label(self, params: SamplingParams) -> str:
         return f"cross-vocab {self.rule_for(params).upper()}"
+
+    def run_info(self, params: SamplingParams) -> dict:
+        """--json's and report.json's `cross_vocab`: which rule ran, and how much of the vocabulary is shared."""
+        return {"cross_vocab": {"rule": self.rule_for(params), "requested": self.rule,
+                                "shared_fraction": self.map.shared_fraction, "steps_by_rule": dict(self.rules_run)}}
 
     # -- the committed text in draft tokens ------------------------------------------------------------
 
@@ -414,7 +419,6 @@ class CrossVocabDrafter(ModelDrafting):
         history = penalty_window(self._ids, dparams)
         drafted: list[int] = []
         text = b""
-        confidence = 1.0
         ids: list[int] = []
         end: int | None = None  # a target special token that ends the draft
         complete = False  # the last re-tokenised token is known to be whole
@@ -433,7 +437,6 @@ class CrossVocabDrafter(ModelDrafting):
                     drafted.append(token)
                 complete = True
                 break
-            confidence = min(confidence, top)
             drafted.append(token)
             text += piece
             if penalised:
@@ -453,7 +456,7 @@ class CrossVocabDrafter(ModelDrafting):
             ids = ids[:k]
         elif not complete:
             ids = ids[:-1]  # the draft stopped mid-text: its last token may be the start of a longer one
-        return Draft(tokens=ids[:k], q=[None] * len(ids[:k]), confidence=confidence, source=self.kind.name), drafted
+        return Draft(tokens=ids[:k], q=[None] * len(ids[:k]), source=self.kind.name), drafted
 
     def _propose_tli(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
         to_target = self.map.to_target
@@ -461,7 +464,6 @@ class CrossVocabDrafter(ModelDrafting):
         history = penalty_window(self._ids, dparams)
         draft = Draft(source=self.kind.name)
         drafted: list[int] = []
-        confidence = 1.0
         for i in range(min(k, room - 1)):
             top = draft_confidence(row) if self.p_min > 0 else 1.0
             if top < self.p_min:
@@ -483,7 +485,6 @@ class CrossVocabDrafter(ModelDrafting):
                 token = self._draft_token_for(target_token, row)
             if target_token in banned:
                 break
-            confidence = min(confidence, top)
             drafted.append(token)
             draft.tokens.append(target_token)
             draft.q.append(q)
@@ -493,7 +494,6 @@ class CrossVocabDrafter(ModelDrafting):
                 history.append(token)
             if i < k - 1:
                 row = self.backend.eval([token], [0], in_place=True)[0]
-        draft.confidence = confidence
         return draft, drafted
 
     def _draft_token_for(self, target_token: int, row: np.ndarray) -> int:
@@ -503,16 +503,3 @@ class CrossVocabDrafter(ModelDrafting):
             return int(self._inverse[target_token])
         ids = np.flatnonzero(self.map.to_target == target_token)
         return int(ids[np.argmax(row[ids])])
-
-
-def rule_label(drafter, params: SamplingParams) -> str:
-    """'cross-vocab SLEM' / 'cross-vocab TLI' for a cross-vocabulary drafter, '' for any other."""
-    return drafter.describe(params) if isinstance(drafter, CrossVocabDrafter) else ""
-
-
-def rule_info(drafter, params: SamplingParams) -> dict | None:
-    """What --json reports about the cross-vocabulary rule (None for same-vocabulary drafters)."""
-    if not isinstance(drafter, CrossVocabDrafter):
-        return None
-    return {"rule": drafter.rule_for(params), "requested": drafter.rule,
-            "shared_fraction": drafter.map.shared_fraction, "steps_by_rule": dict(drafter.rules_run)}

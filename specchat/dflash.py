@@ -28,7 +28,7 @@ import numpy as np
 from . import kinds
 from .backend import BackendError, HeldPrefix, LlamaCppBackend, common_prefix
 from .compat import nextn_api
-from .drafters import Draft, HiddenRows, ModelDrafting, draft_token
+from .drafters import Draft, Forwards, FREE, HiddenRows, ModelDrafting, Suspendable, draft_token
 from .gguf_header import check_gguf_file, gguf_layout
 from .heads import HeadBackend, _head_context_params, load_head_model
 from .sampling import SamplingParams, penalty_window
@@ -88,8 +88,7 @@ class BlockHead(HeadBackend):
     and LM head where the file has none). Its cache holds one entry per context token: the target's inputs
     of the file's `target_layers` at that position, injected (`inject`); `eval` runs a block after them."""
 
-    kind = "dflash"
-    shift = 0
+    drafts_as = kinds.DFLASH
 
     def __init__(self, target: LlamaCppBackend, path: str | os.PathLike, n_gpu_layers: int | None = None):
         lib = self._lib = target._lib
@@ -126,8 +125,8 @@ class BlockHead(HeadBackend):
         lib.llama_set_causal_attn(ctx, self.file.causal)  # a block attends to itself both ways
         self.layers = tuple(layers)
         self.block_size = self.file.block_size
-        self.n_embd_in = len(self.layers) * target_embd  # what the target hands over per token
-        self._setup(target, ctx, own_embd, path.name, "")
+        # what the target hands over per token: the inputs of each layer it reads
+        self._setup(target, ctx, own_embd, path.name, "", n_embd_in=len(self.layers) * target_embd)
         self.path = path
         self._inject_pos = ctypes.c_int32(0)
         self.warm_up()
@@ -213,11 +212,11 @@ class BlockHead(HeadBackend):
             self._lib.llama_model_free(self._model)
 
 
-class BlockDrafter(ModelDrafting):
+class BlockDrafter(ModelDrafting, Suspendable):
     """Drafts a block at a time from a BlockHead. The head's cache holds the target's features of context
     tokens 0..P-1 (those the target has evaluated: it holds context[:-1]); a draft is one forward of
-    [context[-1] at P, mask, ...], read at its prediction slots, then cut. Priced by the policy as one
-    forward of the block (kinds cost "block"): `extra_slots` block slots besides the drafted tokens."""
+    [context[-1] at P, mask, ...], read at its prediction slots, then cut. A draft costs one forward of the
+    block (`forwards`): `extra_slots` block slots besides the tokens asked for."""
 
     def __init__(self, head: BlockHead, target: LlamaCppBackend, p_min: float = 0.0, draft_min: int = 0):
         super().__init__()
@@ -251,6 +250,10 @@ class BlockDrafter(ModelDrafting):
 
     def offer(self, draft: Draft | None, limit: int):
         return super().offer(draft, min(limit, self.max_tokens))
+
+    def forwards(self, drafted: int, asked: int) -> Forwards:
+        """One forward of the whole block asked for, however many of its tokens the confidence kept."""
+        return Forwards(1, asked + self.extra_slots) if asked > 0 else FREE
 
     def _catch_up(self, context: Sequence[int], end: int) -> None:
         """Make the head hold the features of context[:end], injecting only what differs from what it holds."""
@@ -297,7 +300,6 @@ class BlockDrafter(ModelDrafting):
         # first read slot); a token drawn off it moves the bias to the token drawn
         graph_prev = drawn_prev = int(context[-1])
         p_min = 0.0 if confidence is not None else self.p_min
-        lowest = 1.0
         for i, row in enumerate(rows):
             graph_next = int(np.argmax(row)) if self.head.markov else -1
             if self.head.markov and drawn_prev != graph_prev:
@@ -307,7 +309,6 @@ class BlockDrafter(ModelDrafting):
             token, q, top = draft_token(row, params, history, rng, p_min)
             if top < p_min:
                 break
-            lowest = min(lowest, top if confidence is None else float(confidence[i]))
             draft.tokens.append(token)
             draft.q.append(q)
             if params.has_penalty:
@@ -315,7 +316,6 @@ class BlockDrafter(ModelDrafting):
             graph_prev, drawn_prev = graph_next, token
         if len(draft.tokens) < self.draft_min:
             return Draft()
-        draft.confidence = lowest
         return draft
 
     def _markov_bias(self, prev: int) -> np.ndarray:

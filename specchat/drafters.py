@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from . import kinds
 from .backend import Backend, BackendError, HeldPrefix, LlamaCppBackend, common_prefix, sync
-from .heads import Eagle3Head, MtpHead
+from .heads import DraftingHead, Eagle3Head, MtpHead
 from .kinds import DrafterKind
 from .sampling import Dist, SamplingParams, draft_step, greedy_token, penalty_window, process, sample
 from .vocab import check_compatible
@@ -29,8 +29,6 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     # q[i]: the processed distribution tokens[i] was drawn from; None = deterministic proposal (one-hot)
     q: list[Dist | None] = field(default_factory=list)
-    # a draft model's lowest top probability over its tokens (how sure it was)
-    confidence: float = 0.0
     # who drafted: a kind's name (kinds.py), or one of its `sources` (lookup's "history")
     source: str = ""
     # what the drafter needs back in `learn` (lookup's match); the policy does not read it
@@ -40,8 +38,7 @@ class Draft:
 
     def head(self, n: int) -> Draft:
         """The first n tokens, the rest of the draft unchanged."""
-        return Draft(self.tokens[:n], self.q[:n], self.confidence, self.source, self.evidence, self.drafter,
-                     self.planned)
+        return Draft(self.tokens[:n], self.q[:n], self.source, self.evidence, self.drafter, self.planned)
 
 
 @dataclass
@@ -54,8 +51,23 @@ class Offer:
     margin: float | None = None
 
 
+class Forwards(NamedTuple):
+    """What a draft costs its drafter: `count` forwards of its own model, each a batch of `size` tokens
+    (0 forwards: proposals that cost no model time, made every step and priced after)."""
+
+    count: int
+    size: int
+
+
+FREE = Forwards(0, 0)
+
+
 @runtime_checkable
 class Drafter(Protocol):
+    """What every kind of drafter implements, in full. What only some kinds can do is one of the small
+    protocols below (`Suspendable`, `Retargetable`, `Labelled`), which such a drafter declares among its
+    bases; nothing else about a drafter is looked up."""
+
     kind: DrafterKind
     # the drafter's own model, whose KV cache a caller resets and frees and whose cost a policy
     # measures; None for a drafter without one (prompt lookup)
@@ -74,6 +86,12 @@ class Drafter(Protocol):
         """What it expects: of `draft` (a free drafter's proposal in hand), or of up to `limit` tokens it
         has not drafted yet (a drafter whose tokens cost time is priced before it runs)."""
 
+    def forwards(self, drafted: int, asked: int) -> Forwards:
+        """What its model runs for a draft of `drafted` tokens when `asked` for that many (a block drafter
+        runs the block asked for, however many tokens it keeps): the policy prices drafts (drafted = asked)
+        and learns its costs by this, so it must depend on the arguments alone. FREE where proposals
+        cost no model time."""
+
     def learn(self, draft: Draft | None, sent: int, accepted: int, emitted: Sequence[int]) -> None:
         """The step's outcome: its proposal this step (None: not asked), how many of its tokens went to
         the target (0: another drafter's or none were sent) and were accepted, and the tokens emitted."""
@@ -84,9 +102,60 @@ class Drafter(Protocol):
     def carried(self) -> dict[str, Any]:
         """The estimates worth keeping for the next process (each with as_dict / absorb), by name."""
 
-    # Optional: `retarget(target)`, for a drafter that holds the target but not its context (a draft with
-    # another tokenizer reads its texts), called when the target is loaded again (/rpc off). A drafter of
-    # a kind that reads the target's context (`reads_target`) is built again by its factory instead.
+
+def is_free(drafter: Drafter) -> bool:
+    """Whether the drafter's proposals cost no model time: it proposes every step, and is priced after."""
+    return drafter.forwards(1, 1).count == 0
+
+
+# -- what only some drafters can do ------------------------------------------------------------------
+
+
+@runtime_checkable
+class Suspendable(Protocol):
+    """A drafter that makes the target do work for it every step (a head's hidden rows, a block drafter's
+    layer inputs), which it can stop while no policy will ask it."""
+
+    def suspend(self, suspended: bool) -> None:
+        """Stop (True) or resume (False) that work."""
+
+
+@runtime_checkable
+class Retargetable(Protocol):
+    """A drafter that holds the target but not its context (a draft with another tokenizer reads the
+    target's texts). A drafter of a kind that reads the target's context (`reads_target`) is built again
+    by its factory instead."""
+
+    def retarget(self, target: Backend) -> None:
+        """The target was loaded again (/rpc off): the same file, another backend."""
+
+
+@runtime_checkable
+class Labelled(Protocol):
+    """A drafter with something to say about how it drafts under these sampling settings (a draft with
+    another tokenizer: which rule runs)."""
+
+    def run_label(self, params: SamplingParams) -> str:
+        """A few words for the live view and the report's drafter line."""
+
+    def run_info(self, params: SamplingParams) -> dict[str, Any]:
+        """Keys to add to --json's object and report.json."""
+
+
+def run_label(drafter, params: SamplingParams) -> str:
+    """What a drafter (or the members of a chain) says about how it drafts: '' where nothing."""
+    if drafter is None:
+        return ""
+    return " + ".join(m.run_label(params) for m in members(drafter) if isinstance(m, Labelled))
+
+
+def run_info(drafter, params: SamplingParams) -> dict[str, Any]:
+    """The keys a drafter (or the members of a chain) adds to --json's object and report.json."""
+    info: dict[str, Any] = {}
+    for member in members(drafter) if drafter is not None else ():
+        if isinstance(member, Labelled):
+            info.update(member.run_info(params))
+    return info
 
 
 class Chain:
@@ -100,10 +169,6 @@ class Chain:
             raise ValueError("a chain needs at least two drafters")
         self.members = tuple(members)
         self.backend = None  # the members' own (see own_backends)
-
-    @property
-    def label(self) -> str:
-        return " + ".join(describe(m) for m in self.members)
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         for member in self.members:
@@ -122,16 +187,7 @@ def own_backends(drafter) -> list[Backend]:
     """Every model a drafter (or chain) runs of its own: caches a caller resets, cuts and frees."""
     if drafter is None:
         return []
-    return [m.backend for m in members(drafter) if getattr(m, "backend", None) is not None]
-
-
-def describe(drafter) -> str:
-    """A drafter as the chat header and summaries name it: its model's name, or its kind's word."""
-    backend = getattr(drafter, "backend", None)
-    kind = getattr(drafter, "kind", None)
-    if kind is not None and not kind.needs_file:
-        return kind.word or kind.name
-    return backend.name if backend is not None else getattr(kind, "name", "drafter")
+    return [m.backend for m in members(drafter) if m.backend is not None]
 
 
 class IncompatibleDraft(BackendError):
@@ -180,11 +236,6 @@ class Acceptance:
             if i < accepted:
                 self.hits[j] += 1
 
-    def age(self, factor: float) -> None:
-        """Let old evidence weigh less (a drafter not tried for a while drifts back towards its prior)."""
-        self.hits *= factor
-        self.tries *= factor
-
     def as_dict(self) -> dict:
         return {"hits": [round(float(x), 4) for x in self.hits], "tries": [round(float(x), 4) for x in self.tries]}
 
@@ -217,6 +268,10 @@ class ModelDrafting:
 
     def offer(self, draft: Draft | None, limit: int) -> Offer:
         return Offer(self.acceptance.rates(limit if draft is None else len(draft.tokens)).tolist())
+
+    def forwards(self, drafted: int, asked: int) -> Forwards:
+        """One forward of its model per drafted token (free where its kind says its drafts cost nothing)."""
+        return FREE if self.kind.free else Forwards(drafted, 1)
 
     def learn(self, draft: Draft | None, sent: int, accepted: int, emitted: Sequence[int]) -> None:
         self.acceptance.record(accepted, sent)
@@ -301,7 +356,7 @@ class HiddenRows:
         return out
 
 
-class HeadDrafter(ModelDrafting):
+class HeadDrafter(ModelDrafting, Suspendable):
     """A drafting head that reads the target's hidden states: the target's own MTP layers (`MtpHead`) or an
     EAGLE-3 head (`Eagle3Head`), paired as llama.cpp pairs them (common/speculative.cpp).
 
@@ -315,13 +370,12 @@ class HeadDrafter(ModelDrafting):
     goes in with the head's own output row of the step before. Draft entries are cut after proposing: once
     verified, the target's rows replace the head's own.
 
-    `row_of` is that pairing; a test that pairs wrongly through it sees the tiny heads' acceptance collapse."""
+    `row_of` is that pairing; a test that pairs wrongly through it sees the tiny heads' acceptance collapse.
+    What the head reads, and its shift, the head declares (heads.DraftingHead); one that declares nothing
+    reads the target's final hidden rows as they are, with shift 0 (MTP's pairing)."""
 
     def _attach(self) -> None:
-        if hasattr(self.head, "attach"):
-            self.head.attach(self.hidden.put)
-        else:
-            self.target.capture_hidden(self.hidden.put)
+        self._capture(self.hidden.put)
 
     def suspend(self, suspended: bool) -> None:
         """A policy will not ask this head (it cannot pay here even if always right): the target stops
@@ -343,15 +397,17 @@ class HeadDrafter(ModelDrafting):
 
     def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0):
         super().__init__()
+        declared = isinstance(head, DraftingHead)
         self.head = head
-        self.kind = kinds.by_name(getattr(head, "kind", None) or kinds.MTP.name)
+        self.kind = head.drafts_as if declared else kinds.MTP
         self.backend = head  # the KV cache a caller resets, the cost a policy measures
         self.p_min = p_min
         self.draft_min = draft_min
-        self.shift = getattr(head, "shift", 0)
+        self.shift = head.shift if declared else 0
         # what the target hands over per token (an EAGLE-3 head's encoder turns it into the rows it pairs)
-        self.hidden = HiddenRows(getattr(head, "n_embd_in", head.n_embd))
-        self._encode = getattr(head, "encode", None)
+        self.hidden = HiddenRows(head.n_embd_in if declared else head.n_embd)
+        self._encode = head.encode if declared else None
+        self._capture = head.attach if declared else target.capture_hidden
         self.held = HeldPrefix(head)  # how many of the context's entries the head holds
         self.target = target
         self.suspended = False
@@ -411,12 +467,10 @@ def draft_loop(row: np.ndarray, k: int, context: Sequence[int], params: Sampling
     token whose top probability is under p_min (llama.cpp's --spec-draft-p-min); fewer than draft_min
     tokens make an empty draft."""
     history = penalty_window(context, params)
-    confidence = 1.0
     for i in range(k):
         token, q, top = draft_token(row, params, history, rng, p_min)
         if top < p_min:  # the draft itself is unsure of this token
             break
-        confidence = min(confidence, top)
         draft.tokens.append(token)
         draft.q.append(q)
         if params.has_penalty:
@@ -425,7 +479,6 @@ def draft_loop(row: np.ndarray, k: int, context: Sequence[int], params: Sampling
             row = next_row(token)
     if len(draft.tokens) < draft_min:
         return Draft()
-    draft.confidence = confidence
     return draft
 
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from . import kinds
 from . import rpc as rpc_workers
 from .backend import LlamaCppBackend
 from .compat import nextn_api
 from .errors import BackendError
 from .gguf_header import check_gguf_file, gguf_values
+from .kinds import DrafterKind
 from .memory import MemoryKind
 from .vocab import VocabInfo, Vocabulary, check_compatible
 
@@ -57,18 +60,40 @@ def load_head_model(target: LlamaCppBackend, path: Path, n_gpu_layers: int | Non
     return model, params.n_gpu_layers
 
 
-class HeadBackend:
+@runtime_checkable
+class DraftingHead(Protocol):
+    """What a head declares to the drafter that pairs it with the target (drafters.HeadDrafter)."""
+
+    drafts_as: DrafterKind  # the kind its drafts are
+    shift: int  # entry i of the head's cache holds context token i + shift (EAGLE-3 keeps no entry for token 0)
+    n_embd_in: int  # how wide a row the target hands over per token
+
+    def attach(self, sink: Callable[[int, np.ndarray], None]) -> None:
+        """Have the target hand `sink` (first position, rows) the rows this head reads, as it evaluates."""
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """The rows the head's entries pair with, from what the target handed over."""
+
+
+def describe_eagle3_file(path: Path) -> str:
+    """What an EAGLE-3 file is for, as `specchat models` says it: a target of this width, these layers read."""
+    values = gguf_values(path)[1]
+    layers = ", ".join(str(x) for x in values.get("target_layers", ())) or "?"
+    return (f"EAGLE-3 head for a target of width {values.get('target_hidden_size', '?')}, reading its layers "
+            f"{layers} (-md it with that target)")
+
+
+class HeadBackend(DraftingHead):
     """A drafting head: a llama.cpp context whose every entry is a token AND a hidden row. Which row goes
     with which token is the drafter's business (drafters.HeadDrafter); `eval` takes them paired
     (`llama_batch_ext_set_embd_token`), returns the logits rows asked for, and keeps the head's own output
     hidden rows in `hidden` for a chained draft. Backend-shaped, so the policy measures and learns its cost
     like a draft model's. Subclasses: MtpHead, Eagle3Head."""
 
-    kind = ""
-    # entry i of the head's cache holds context token i + shift (EAGLE-3 keeps no entry for token 0)
     shift = 0
 
-    def _setup(self, target: LlamaCppBackend, ctx, n_embd: int, name: str, tag: str) -> None:
+    def _setup(self, target: LlamaCppBackend, ctx, n_embd: int, name: str, tag: str,
+               n_embd_in: int | None = None) -> None:
         lib = self._lib
         self.ctx = ctx
         self._api.set_embeddings_nextn(self.ctx, True, True)  # masked: hidden rows only where logits are asked
@@ -76,6 +101,7 @@ class HeadBackend:
         self._batch = lib.llama_batch_ext_init(self.ctx)
         self.target = target
         self.n_embd = n_embd
+        self.n_embd_in = n_embd if n_embd_in is None else n_embd_in
         self.n_vocab = target.n_vocab
         self.n_ctx = target.n_ctx
         self.n_batch = target.n_batch
@@ -83,7 +109,7 @@ class HeadBackend:
         self.cost_tag = tag  # the head's costs are cached apart from the target's
         self.n_threads = target.n_threads
         self.rpc = target.rpc
-        self.memory = MemoryKind("kv", self.kind)
+        self.memory = MemoryKind("kv")
         self.tokens: list[int] = []
         self.hidden = np.zeros((0, self.n_embd), dtype=np.float32)
         self.evaluated = 0
@@ -91,6 +117,13 @@ class HeadBackend:
         self.reevaluated = 0
         self.rollback_seconds = 0.0
         self._pos = ctypes.c_int32(0)
+
+    def attach(self, sink: Callable[[int, np.ndarray], None]) -> None:
+        """The target's final hidden row of every token it evaluates, as they are."""
+        self.target.capture_hidden(sink)
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        return features
 
     def warm_up(self) -> None:
         """One decode now, as llama.cpp warms up every context it creates: the head's buffers are allocated
@@ -207,8 +240,7 @@ class MtpHead(HeadBackend):
     weights (loaded with load_mtp), with a KV cache of its own for the MTP block. It reads the target's
     final hidden rows (llama_get_embeddings_nextn)."""
 
-    kind = "mtp"
-    shift = 0
+    drafts_as = kinds.MTP
 
     def __init__(self, target: LlamaCppBackend):
         lib = self._lib = target._lib
@@ -224,14 +256,9 @@ class MtpHead(HeadBackend):
         if not ctx:
             raise BackendError(f"llama.cpp could not create the MTP context of {target.name}")
         self._setup(target, ctx, lib.llama_model_n_embd_out(target._model), f"{target.name} MTP", "|mtp")
-        self.n_embd_in = self.n_embd  # it reads the target's final hidden rows as they are
         self.warm_up()
         self.path = target.path
         self.n_gpu_layers = target.n_gpu_layers
-
-    def attach(self, sink) -> None:
-        """Hand the drafter the target's final hidden row of every token it evaluates."""
-        self.target.capture_hidden(sink)
 
 
 class Eagle3Head(HeadBackend):
@@ -240,7 +267,7 @@ class Eagle3Head(HeadBackend):
     (`fc`, LLAMA_PROCESS_TYPE_ENCODE); its decoder reads (token, g) pairs. The target's token embeddings
     and LM head are read through `ctx_other` when the head has none of its own."""
 
-    kind = "eagle3"
+    drafts_as = kinds.EAGLE3
     shift = 1  # entry at position P is (token P+1, g_P): token 0 has none
 
     def __init__(self, target: LlamaCppBackend, path: str | os.PathLike, n_gpu_layers: int | None = None):
@@ -271,8 +298,8 @@ class Eagle3Head(HeadBackend):
             lib.llama_model_free(self._model)
             raise
         self.layers = tuple(layers)
-        self.n_embd_enc = self.n_embd_in = 3 * target_embd
-        self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "")
+        self.n_embd_enc = 3 * target_embd
+        self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "", n_embd_in=self.n_embd_enc)
         self.path = path
         self.encode(np.zeros((1, self.n_embd_in), dtype=np.float32))
         self.warm_up()

@@ -13,7 +13,7 @@ from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
 from .backend import Backend, BackendError, LlamaCppBackend
 from .config import Config, ModelSpec
 from .costs import CostModel, cached_cost_model, cost_cache_key, reference_cost_model
-from .drafters import Chain, Drafter, members, own_backends
+from .drafters import Chain, Drafter, Retargetable, is_free, members, own_backends
 from .gguf_header import gguf_arch
 from .kinds import DrafterKind
 from .memory import MAX_SNAPSHOTS
@@ -116,9 +116,8 @@ class Loaded:
                 old.backend.close()
             drafters[i] = drafter
         for drafter in drafters:
-            retarget = getattr(drafter, "retarget", None)
-            if retarget is not None:
-                retarget(local)
+            if isinstance(drafter, Retargetable):
+                drafter.retarget(local)
         local.chat_format = getattr(remote, "chat_format", None)
         if gone:
             rpc_workers.abandon(remote)
@@ -168,7 +167,7 @@ def select(config: Config, *, pair: str | None, target: str | None, draft: str |
         rpc = chosen.rpc if target is None else ()
         target = target or chosen.target
         pair_drafts = chosen.drafts
-    lookup = kinds.PROMPT_LOOKUP.word
+    front = kinds.HYBRID_FRONT.word
     file_kind = next((k for k in spec_types if k.needs_file), None)
     if spec_types:
         model = draft or next((d for d in pair_drafts if kinds.by_word(d) is None), None)
@@ -176,9 +175,9 @@ def select(config: Config, *, pair: str | None, target: str | None, draft: str |
     elif draft is not None:
         drafts = (draft,)
     else:
-        drafts = pair_drafts or (lookup,)
-    if hybrid is not None and any(d != lookup for d in drafts):
-        drafts = ((lookup,) if hybrid else ()) + tuple(d for d in drafts if d != lookup)
+        drafts = pair_drafts or (kinds.DEFAULT.word,)
+    if hybrid is not None and any(d != front for d in drafts):
+        drafts = ((front,) if hybrid else ()) + tuple(d for d in drafts if d != front)
     if no_spec or not drafts:
         return Selection(target, None, rpc)
     return Selection(target, drafts[0] if len(drafts) == 1 else drafts, rpc, file_kind)
@@ -302,7 +301,7 @@ def _file_size(backend) -> int | None:
 def _reference_draft_cost(drafter: Drafter, target: Backend, verify: CostModel) -> CostModel | None:
     """--reproducible: what a draft token costs, from no clock: a head is one or a few layers on the
     target's weights; a draft model costs its file's size relative to the target's."""
-    if drafter.kind.free:
+    if is_free(drafter):
         return None
     if drafter.kind.cost in ("head", "block"):  # (a block: one forward of a head-sized model)
         return CostModel([1], [verify(1) * 0.1], measured=True)
@@ -335,7 +334,7 @@ def make_policy(loaded: Loaded, draft_max: int, draft_fixed: int | None, *, reme
     costs: list[CostModel | None] = []
     stores: list[AcceptanceStore | None] = []
     for drafter in drafters:
-        timed = drafter.backend is not None and not drafter.kind.free
+        timed = drafter.backend is not None and not is_free(drafter)
         costs.append(cached_cost_model(drafter.backend, cache_file, notify) if timed else None)
         store = None
         if remember and drafter.carried():  # (lookup carries nothing over: the file is not even read)

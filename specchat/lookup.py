@@ -12,7 +12,7 @@ import numpy as np
 
 from . import kinds
 from .backend import common_prefix
-from .drafters import Draft, Offer
+from .drafters import FREE, Draft, Forwards, Offer
 from .sampling import SamplingParams
 
 # A lookup draft must promise this much more than plain decoding: its first token's odds are bimodal (a span
@@ -506,6 +506,9 @@ class PromptLookup:
             self.acceptance.add(length, hit, history)
             self._shadow_match = (length + 1, history)
             self._shadow = self._shadow[1:] if hit else []
+
+    def forwards(self, drafted: int, asked: int) -> Forwards:
+        return FREE  # a look-up in its index: no model runs
 
     def reply_done(self) -> None:
         pass

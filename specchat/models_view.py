@@ -10,7 +10,7 @@ from .backend import BackendError
 from . import kinds
 from .config import Config, ConfigError, load_config
 from .crossvocab import file_vocab_map, vocabulary_note
-from .gguf_header import gguf_arch, gguf_nextn_layers, gguf_values
+from .gguf_header import gguf_arch, gguf_nextn_layers
 from .memory import arch_memory
 from .sources import SourceError, describe, header_file, is_present, joined, resolve
 from .vocab import check_compatible, read_vocab
@@ -62,15 +62,9 @@ def _memory(spec) -> str:
         return "[dim]?[/]"
     if arch is None:
         return "[dim]?[/]"
-    if kinds.for_file(arch) is kinds.EAGLE3:  # what it was trained for: a target of this width, these layers read
-        values = gguf_values(path)[1]
-        layers = ", ".join(str(x) for x in values.get("target_layers", ())) or "?"
-        return escape(f"eagle3 · EAGLE-3 head for a target of width {values.get('target_hidden_size', '?')}, "
-                      f"reading its layers {layers} (-md it with that target)")
-    if kinds.for_file(arch) is kinds.DFLASH:
-        from .dflash import describe_file  # (gguf-py reads the heads it has)
-
-        return escape(f"{arch} · {describe_file(path)}")
+    purpose = kinds.for_file(arch).describe_file(path)  # a head's: the target it was trained for
+    if purpose is not None:
+        return escape(f"{arch} · {purpose}")
     text = f"{arch} · {MEMORY_WORDS[arch_memory(arch)]}"
     nextn = gguf_nextn_layers(path)
     if nextn:  # the model drafts for itself: -md mtp

@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from .costs import CostModel, write_atomic
-from .drafters import Draft, Drafter, members
+from .drafters import Draft, Drafter, Forwards, Suspendable, is_free, members
 from .sampling import SamplingParams
 from .stats import StepStats
 
@@ -52,6 +52,10 @@ PROBE_GIVE_UP = 3
 
 @runtime_checkable
 class Policy(Protocol):
+    # why the last generation drafted nothing, in a few words for the summary line (None: it drafted, or
+    # nothing can be said)
+    last_note: str | None
+
     def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> Draft:
         """The tokens to send to the target now (an empty Draft: plain decoding), at most `limit`, from
@@ -73,6 +77,7 @@ class FixedPolicy:
     drafters (lookup) first, then in the chain's order: llama.cpp's rule (n-gram types before the others)."""
 
     drafting_possible = True
+    last_note = None
 
     def __init__(self, k: int):
         self.k = k
@@ -82,7 +87,7 @@ class FixedPolicy:
         k = max(0, min(self.k, limit))
         if k == 0:
             return Draft()
-        for member in sorted(members(drafter), key=lambda m: not m.kind.free):
+        for member in sorted(members(drafter), key=lambda m: not is_free(m)):
             proposal = member.propose(context, k, params, rng)
             if proposal.tokens:
                 proposal.drafter, proposal.planned = member, k
@@ -173,7 +178,8 @@ class AcceptanceStore:
 
 @dataclass
 class Member:
-    """One drafter as the policy prices it: what its tokens cost (None: free, or not timed) and whether
+    """One drafter as the policy prices it: what its model's forwards cost (None: free, or not timed),
+    which forwards a draft of each length runs (what the drafter reports: `Drafter.forwards`), and whether
     it could pay at all (a draft token that costs about a target token cannot, even if always right)."""
 
     drafter: Drafter
@@ -184,39 +190,40 @@ class Member:
     failed_probes: int = 0  # drafts after idle steps that kept nothing, in a row (see PROBE_GIVE_UP)
     given_up: bool = False
     proposed: bool = False  # whether it proposed anything this generation (free drafters)
+    # proposals that cost no model time: made every step, priced after (see Drafter.forwards)
+    free: bool = field(init=False)
+    # the forwards of a draft of 0..n tokens, by n (what the drafter reports depends on n alone), and the
+    # largest batch among the first n + 1 of them: read every step, so asked once
+    _forwards: list[Forwards] = field(init=False, default_factory=list, repr=False)
+    _largest: list[int] = field(init=False, default_factory=list, repr=False)
 
-    @property
-    def free(self) -> bool:
-        return self.drafter.kind.free
+    def __post_init__(self) -> None:
+        self.free = is_free(self.drafter)
 
     @property
     def label(self) -> str:
         return self.drafter.kind.label
 
-    @property
-    def block(self) -> bool:
-        return self.drafter.kind.cost == "block"
-
     def draft_seconds(self, n_max: int) -> list[float] | None:
-        """What drafting 0..n_max tokens costs: n of the drafter's forwards, or for a block drafter one
-        forward of the block (its extra slots + n); None for a free drafter."""
+        """What drafting 0..n_max tokens costs, from the forwards the drafter says each runs; None for a
+        drafter whose time is not measured (a free one's)."""
         if self.draft_cost is None:
             return None
-        if self.block:
-            extra = self.drafter.extra_slots
-            table = self.draft_cost.seconds_list(n_max + extra)
-            return [0.0] + table[1 + extra : n_max + 1 + extra]
-        one = self.draft_cost(1)
-        return [n * one for n in range(n_max + 1)]
+        shapes, largest = self._forwards, self._largest
+        for n in range(len(shapes), n_max + 1):
+            shapes.append(self.drafter.forwards(n, n))
+            largest.append(max(shapes[-1].size, largest[-1] if largest else 0))
+        table = self.draft_cost.seconds_list(largest[n_max])
+        return [count * table[size] if count else 0.0 for count, size in shapes[: n_max + 1]]
 
     def learn_cost(self, drafted: int, seconds: float, proposal: Draft | None = None) -> None:
-        """A draft of `drafted` tokens took `seconds` of the drafter's time. A block drafter ran a block of
-        the size asked for (`proposal.planned`), however many tokens its confidence kept."""
-        if self.block:
-            asked = proposal.planned if proposal is not None and proposal.planned else drafted
-            self.draft_cost.update(asked + self.drafter.extra_slots, seconds)
-        else:
-            self.draft_cost.update(1, seconds / drafted)
+        """A draft of `drafted` tokens took `seconds` of the drafter's time: each of its forwards (of the
+        draft asked for, `proposal.planned`: a block drafter runs the whole block whatever it kept) took
+        an equal share."""
+        asked = proposal.planned if proposal is not None and proposal.planned else drafted
+        count, size = self.drafter.forwards(drafted, asked)
+        if count:
+            self.draft_cost.update(size, seconds / count)
 
 
 class AdaptivePolicy:
@@ -268,9 +275,8 @@ class AdaptivePolicy:
         """Whether the member could pay here at all; one that cannot is never asked, so it is suspended
         (a head's rows are not extracted), and resumed if it can again."""
         member.possible = self._could_pay(member)
-        suspend = getattr(member.drafter, "suspend", None)
-        if suspend is not None:
-            suspend(not member.possible)
+        if isinstance(member.drafter, Suspendable):
+            member.drafter.suspend(not member.possible)
 
     def _could_pay(self, member: Member) -> bool:
         """Whether a draft of this member could beat plain decoding even if it were always right."""

@@ -13,7 +13,7 @@ import typer
 from . import options as opt
 from . import ui
 from .config import load_config
-from .crossvocab import rule_info, rule_label
+from .drafters import run_info, run_label
 from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
 from .runner import RunOptions, check_text, loading, measuring, read_prompt, run_options
@@ -59,7 +59,7 @@ def prompt_command(
             loaded.target, loaded.drafter, prompt_ids, run.for_target(loaded.target), max_tokens=run.max_tokens, stop=stops,
             policy=policy, budget=budget_for(reasoning, run.reasoning, loaded.target),
         ), reasoning)
-        note = lambda: getattr(policy, "last_note", None)  # noqa: E731  why nothing was drafted, if so
+        note = lambda: policy.last_note  # noqa: E731  why nothing was drafted, if so
         if as_json:
             finished = print_json(events, loaded, run, note)
             if show_stats and finished is not None:
@@ -69,7 +69,7 @@ def prompt_command(
             out = ui.make_console(no_color=no_color)
             if ui.colour_on(out):
                 out.print(ui.legend())
-            finished = ui.show(events, ui.LiveView(out, label=rule_label(loaded.drafter, run.params)))
+            finished = ui.show(events, ui.LiveView(out, label=run_label(loaded.drafter, run.params)))
             if finished is not None:
                 out.print(ui.summary_line(finished.stats, finished.finish_reason, loaded.drafter_label, note()))
                 if show_stats:
@@ -112,9 +112,7 @@ def print_json(events, loaded: Loaded, run: RunOptions, note=lambda: None) -> Fi
     }
     if note():  # the policy drafted nothing: why
         doc["draft_note"] = note()
-    cross = rule_info(loaded.drafter, run.params)
-    if cross is not None:  # a draft with another tokenizer: which rule ran
-        doc["cross_vocab"] = cross
+    doc.update(run_info(loaded.drafter, run.params))  # (a draft with another tokenizer: which rule ran)
     json.dump(doc, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     return finished

@@ -142,7 +142,7 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
     chain = spec_types(args.spec_type, args.draft)
     selection = select(config, pair=args.pair, target=args.target, draft=args.draft,
                        no_spec=args.no_spec or args.draft_max == 0, hybrid=args.hybrid, spec_types=chain)
-    if args.hybrid and selection.drafts == (kinds.PROMPT_LOOKUP.word,):
+    if args.hybrid and selection.drafts == (kinds.HYBRID_FRONT.word,):
         raise UserError("--hybrid needs another drafter (-md MODEL, -md mtp, or a pair with one) to fall back on")
     load_opts = LoadOptions(
         n_ctx=args.ctx_size, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngld, n_threads=args.threads,

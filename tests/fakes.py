@@ -363,14 +363,12 @@ class ScriptedDrafter(ModelDrafting):
         q_fn: Callable[[tuple[int, ...]], np.ndarray] | None = None,
         fallback: Callable[[Sequence[int], int], Draft] | None = None,
         room: int = 1 << 30,
-        confidence: float = 1.0,
     ):
         super().__init__()
         self.script = list(script)
         self.q_fn = q_fn
         self.fallback = fallback
         self._room = room
-        self.confidence = confidence
         self.prefilled: list[list[int]] = []
         self.proposals: list[tuple[list[int], int]] = []
 
@@ -385,7 +383,7 @@ class ScriptedDrafter(ModelDrafting):
         if k <= 0:
             return Draft()
         if self.q_fn is not None:
-            draft = Draft(confidence=self.confidence)
+            draft = Draft()
             ctx = tuple(context)
             for _ in range(k):
                 q = np.asarray(self.q_fn(ctx), dtype=np.float64)
@@ -403,9 +401,9 @@ class ScriptedDrafter(ModelDrafting):
         if entry is None:
             return Draft()
         if isinstance(entry, Draft):
-            return Draft(tokens=list(entry.tokens[:k]), q=list(entry.q[:k]), confidence=entry.confidence)
+            return Draft(tokens=list(entry.tokens[:k]), q=list(entry.q[:k]))
         tokens = [int(t) for t in entry[:k]]
-        return Draft(tokens=tokens, q=[None] * len(tokens), confidence=self.confidence)
+        return Draft(tokens=tokens, q=[None] * len(tokens))
 
 
 # -- the policy's view of a step, for tests that drive it by hand ------------------------------------------

@@ -13,6 +13,7 @@ changes a committed token) move one by 7-25%, and fail the same checks at the sa
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -296,3 +297,33 @@ class ChangesACommittedToken(CrossVocabDrafter):
 def test_changing_a_committed_token_fails_the_check():
     first, second, n = check("slem", "temp1", k=2, seed=6, cls=ChangesACommittedToken)  # as many draws as the checks
     assert first < ALPHA or second < ALPHA, (first, second)
+
+
+# -- the rule when the draft is one member of a chain (--hybrid) --------------------------------------
+
+
+def test_a_hybrid_chain_keeps_the_cross_vocab_rule_label_and_json(cli, monkeypatch):
+    """`--hybrid` puts prompt lookup in front of the draft: the chain still says which rule its
+    cross-vocabulary member runs, in the live label and in --json's `cross_vocab`."""
+    from specchat.drafters import Chain, run_info, run_label
+    from specchat.loader import Loaded
+    from specchat.lookup import PromptLookup
+
+    def hybrid_pair():
+        target, drafter, _ = make_pair()
+        return target, Chain([PromptLookup(1, 32), drafter])
+
+    target, chain = hybrid_pair()
+    assert run_label(chain, SamplingParams(temperature=0.0)) == "cross-vocab SLEM"
+    assert run_info(chain, SamplingParams(temperature=0.8))["cross_vocab"]["rule"] == "tli"
+
+    def load(config, selection, opts, status=lambda m: None):
+        target, chain = hybrid_pair()
+        return Loaded(target, chain, dataclasses.make_dataclass("Spec", ["name"])("target"), None,
+                      "prompt-lookup + draft")
+
+    monkeypatch.setattr("specchat.runner.load", load)
+    result = cli("prompt", "cab", "--raw", "--json", "-n", "8", "--draft-fixed", "2", "--temp", "0")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["cross_vocab"]["rule"] == "slem" and doc["cross_vocab"]["requested"] == "auto"

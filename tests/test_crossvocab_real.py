@@ -158,3 +158,13 @@ def test_models_shows_the_vocabulary_column(measured_home):
     assert "vocabulary" in result.stdout
     assert "different tokenizers:" in lines["smollm2-gemma"] and "% of the draft's tokens" in lines["smollm2-gemma"]
     assert "same vocabulary" in lines["smollm2-self"]
+
+
+def test_hybrid_keeps_the_rule_in_json(measured_home):
+    """--hybrid puts prompt lookup in front of the draft with another tokenizer: --json still says which
+    rule that draft runs."""
+    result = specchat("prompt", "Say hi.", "--pair", "smollm2-gemma", "--hybrid", "--json", "-n", "8", "--temp", "0",
+                      home=measured_home)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["drafter"] == f"prompt-lookup + {DRAFT}" and doc["cross_vocab"]["rule"] == "slem"

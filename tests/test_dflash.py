@@ -16,10 +16,10 @@ import json
 import numpy as np
 import pytest
 import tiny_models
-from fakes import ALPHA, FakeBackend, assert_user_error, chi2_pvalue, detection_power, first_two_emitted
+from fakes import ALPHA, FakeBackend, ScriptedDrafter, assert_user_error, chi2_pvalue, detection_power, first_two_emitted
 from test_heads import SAMPLED, V, _target_logits, encode
 
-from specchat import Conversation, kinds
+from specchat import Conversation
 from specchat.backend import BackendError
 from specchat.dflash import BlockDrafter, BlockHead
 from specchat.engine import Finished, TokenEvent, generate
@@ -208,7 +208,7 @@ def test_the_policy_prices_a_block_as_one_forward():
     seconds = member.draft_seconds(6)
     assert seconds[0] == 0.0
     assert seconds[1:] == pytest.approx([block_cost(n + 1) for n in range(1, 7)])
-    one_token_model = Member(type("M", (), {"kind": kinds.DRAFT_MODEL})(), block_cost)
+    one_token_model = Member(ScriptedDrafter(), block_cost)
     assert one_token_model.draft_seconds(6)[6] == pytest.approx(6 * block_cost(1))
 
 

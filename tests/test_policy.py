@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specchat.drafters import Acceptance
+from specchat.drafters import Acceptance, Draft
 from specchat.engine import Finished, generate
 from specchat.costs import (
     CostModel,
@@ -572,3 +572,24 @@ def test_a_draft_after_idle_steps_teaches_no_cost_and_one_after_a_draft_does():
     assert sent(policy, drafter, limit=2) > 0
     policy.observe(step(2, 1, verify=0.02, draft=0.008), [1, 2])  # 2x: the drafter's own pace
     assert draft_cost.scale == pytest.approx(0.9 + 0.1 * 2.0)
+
+
+def test_a_draft_is_priced_and_timed_by_the_forwards_its_drafter_reports():
+    """The policy knows no kind of drafter: what a draft costs is what the drafter says it runs of its own
+    model (here two forwards of the draft plus one slot, as a drafter of trees might), and a timed draft
+    teaches the cost of one such forward."""
+    from specchat.drafters import Forwards
+    from specchat.policy import Member
+
+    class TwoPasses(ScriptedDrafter):
+        def forwards(self, drafted, asked):
+            return Forwards(2, asked + 1) if asked else Forwards(0, 0)
+
+    cost = CostModel([1, 2, 4, 8], [0.010, 0.012, 0.016, 0.024])
+    member = Member(TwoPasses(), cost)
+    assert not member.free
+    assert member.draft_seconds(3) == pytest.approx([0.0, 2 * cost(2), 2 * cost(3), 2 * cost(4)])
+    before = cost(4)
+    member.learn_cost(2, 4 * before, Draft(tokens=[1, 2], planned=3))  # two forwards of 4, each twice the price
+    assert cost(4) > before
+    assert Member(ScriptedDrafter(), cost).draft_seconds(3) == pytest.approx([n * cost(1) for n in range(4)])

@@ -177,3 +177,19 @@ def test_defaults_are_the_library_defaults_and_report_differs_where_it_says(monk
     assert (report.temp, report.seed, report.max_tokens) == (0.0, 0, 128)
     assert {f: getattr(report, f) for f in ("draft_max", "draft_p_min", "ctx_size")} == {
         f: getattr(prompt, f) for f in ("draft_max", "draft_p_min", "ctx_size")}
+
+
+def test_every_drafter_class_implements_the_whole_contract():
+    """Each kind's drafter has every member of the contract (nothing is looked up in case it exists), and
+    what only some can do it declares: the capability protocols among its bases."""
+    from specchat.crossvocab import CrossVocabDrafter
+    from specchat.dflash import BlockDrafter
+    from specchat.drafters import DraftModel, HeadDrafter, Labelled, Retargetable, Suspendable
+
+    methods = [name for name, value in vars(Drafter).items() if callable(value) and not name.startswith("_")]
+    assert {"propose", "offer", "forwards", "learn"} <= set(methods)
+    for cls in (PromptLookup, DraftModel, CrossVocabDrafter, HeadDrafter, BlockDrafter):
+        assert all(callable(getattr(cls, name, None)) for name in methods), cls
+    assert issubclass(HeadDrafter, Suspendable) and issubclass(BlockDrafter, Suspendable)
+    assert issubclass(CrossVocabDrafter, Retargetable) and issubclass(CrossVocabDrafter, Labelled)
+    assert not any(issubclass(cls, (Suspendable, Retargetable, Labelled)) for cls in (PromptLookup, DraftModel))

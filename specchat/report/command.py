@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from .. import options as opt
-from ..drafters import members
+from ..drafters import members, own_backends, run_info, run_label
 from ..errors import UserError
 from ..loader import make_policy
 from ..policy import FixedPolicy, Policy
@@ -59,9 +59,8 @@ def measure_again(loaded, console) -> None:
     from ..runner import activity, measuring_notice
 
     backends = {}
-    for backend in (loaded.target, getattr(loaded.drafter, "backend", None)):
-        if backend is not None:
-            backends.setdefault(cost_cache_key(backend), backend)  # a self-pair's draft costs what its target does
+    for backend in (loaded.target, *own_backends(loaded.drafter)):
+        backends.setdefault(cost_cache_key(backend), backend)  # a self-pair's draft costs what its target does
 
     notify = measuring_notice(console)  # "measuring this machine again for M (about N s): as asked (--recalibrate)"
     for backend in backends.values():
@@ -159,9 +158,7 @@ def report_command(
                 render=render_messages, policy_for=policy_for, on_start=on_start, reasoning_for=reasoning_for,
                 on_run=lambda *a: progress.advance(task),
             )
-        from ..crossvocab import rule_info, rule_label
-
-        rule = rule_label(loaded.drafter, run.params)
+        rule = run_label(loaded.drafter, run.params)
         doc = build_doc(
             records, target=loaded.target_spec.name,
             drafter=loaded.drafter_label + (f" ({rule})" if rule else ""),
@@ -169,8 +166,7 @@ def report_command(
             settings=settings,
             items=items, source=source, params=params, max_tokens=run.max_tokens, threads=loaded.target.n_threads,
         )
-        if rule:
-            doc["cross_vocab"] = rule_info(loaded.drafter, run.params)
+        doc.update(run_info(loaded.drafter, run.params))
         phases = phases_by_setting(records, settings)
         if phases:  # a thinking model: the thought and the answer apart
             doc["phases"] = {name: {phase: stats.as_dict() for phase, stats in by_phase.items()}
