@@ -1,0 +1,169 @@
+"""Prompts exactly as llama.cpp renders them (issue 53), and the chat-template flags.
+
+tests/reference/llamacpp_templates.json holds what llama-server answered (POST /apply-template) for every
+template the vendored llama.cpp ships, three conversations, thinking on / off / left to llama.cpp; it was
+written by tests/reference/record_templates.py, which reruns against a llama-server build. Here specchat
+renders the same inputs (the same BOS/EOS texts, the same date) and must give the same prompt, with no
+llama.cpp running. Where llama.cpp itself refuses a conversation, specchat is only asked not to crash.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import pytest
+from fakes import FakeBackend, assert_user_error
+
+from specchat.jinja_chat import TemplateRenderError, render_chat, supports_thinking, template_caps
+from specchat.template import ChatFormat, render_text
+
+REFERENCE = Path(__file__).resolve().parent / "reference"
+DATA = json.loads((REFERENCE / "llamacpp_templates.json").read_text(encoding="utf-8"))
+RECORDED_ON = datetime.datetime.combine(datetime.date.fromisoformat(DATA["date"]), datetime.time(12))
+
+# Cases where specchat's prompt differs from llama.cpp's, each with why. Keep this short.
+EXCEPTIONS: dict[str, str] = {}
+
+
+def template(name: str) -> str:
+    return (REFERENCE / "templates" / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def render_like_recording(name: str, case: str) -> str:
+    conversation, mode = case.split("/")
+    return render_chat(template(name), DATA["conversations"][conversation], bos_token=DATA["bos_token"],
+                       eos_token=DATA["eos_token"], kwargs=DATA["thinking"][mode], add_bos=DATA["add_bos"],
+                       add_eos=DATA.get("add_eos", False), now=RECORDED_ON)
+
+
+CASES = [(name, case) for name, per_template in sorted(DATA["results"].items()) for case in per_template]
+
+
+def test_every_vendored_template_was_recorded():
+    names = {p.stem for p in (REFERENCE / "templates").glob("*.jinja")}
+    assert names == set(DATA["results"]) and len(names) >= 70
+    assert all("server_error" not in answers for answers in DATA["results"].values())
+
+
+@pytest.mark.parametrize(("name", "case"), CASES, ids=[f"{n}:{c}" for n, c in CASES])
+def test_prompt_equals_llamacpp(name, case):
+    answer = DATA["results"][name][case]
+    if "error" in answer:  # llama.cpp refuses this one; specchat may render it or refuse it, cleanly
+        try:
+            render_like_recording(name, case)
+        except TemplateRenderError:
+            pass
+        return
+    if f"{name}:{case}" in EXCEPTIONS or name in EXCEPTIONS:
+        pytest.skip(EXCEPTIONS.get(f"{name}:{case}") or EXCEPTIONS[name])
+    assert render_like_recording(name, case) == answer["prompt"]
+
+
+def test_no_template_llamacpp_renders_is_refused():
+    refused = []
+    for name, case in CASES:
+        if "prompt" in DATA["results"][name][case]:
+            try:
+                render_like_recording(name, case)
+            except TemplateRenderError as e:
+                refused.append(f"{name}:{case}: {e}")
+    assert refused == []
+
+
+def test_tool_use_templates_render_without_tools():
+    """Hermes 2 Pro's tool-use template loops over `tools`: llama.cpp leaves it undefined when there are
+    none (llama-cpp-python's formatter passed None, and the template failed on it)."""
+    text = render_chat(template("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use"), [{"role": "user", "content": "hi"}],
+                       bos_token="<s>", eos_token="</s>")
+    assert text.endswith("<|im_start|>assistant\n") and "hi" in text
+
+
+def test_a_system_message_folds_into_the_first_user_turn_where_the_template_refuses_it():
+    gemma2 = template("google-gemma-2-2b-it")
+    assert not template_caps(gemma2).system_role
+    text = render_chat(gemma2, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                       bos_token="<bos>", eos_token="<eos>")
+    assert "<start_of_turn>user\nBe brief.\nHi<end_of_turn>" in text
+
+
+def test_thinking_default_is_on_where_the_template_has_it():
+    assert supports_thinking(template("Qwen-Qwen3-0.6B"))
+    assert not supports_thinking(template("Qwen-Qwen2.5-7B-Instruct"))
+
+
+def test_kwargs_reach_the_template_and_enable_thinking_among_them_wins():
+    qwen3 = template("Qwen-Qwen3-0.6B")
+    messages = [{"role": "user", "content": "hi"}]
+    off = render_chat(qwen3, messages, kwargs={"enable_thinking": False})
+    assert off.endswith("<think>\n\n</think>\n\n")
+    assert render_chat(qwen3, messages, enable_thinking=True, kwargs={"enable_thinking": False}) == off
+    assert render_chat("{{ greeting }}", messages, kwargs={"greeting": "hello"}) == "hello"
+
+
+def test_a_backend_renders_with_its_chosen_format():
+    target = FakeBackend(lambda ids: None, 8, chat_template="{{ 'gguf' }}")
+    target.bos_text = target.eos_text = ""
+    assert render_text(target, [{"role": "user", "content": "x"}]) == "gguf"
+    target.chat_format = ChatFormat(source="{{ messages[0].content }}{{ suffix }}", kwargs={"suffix": "!"})
+    assert render_text(target, [{"role": "user", "content": "x"}]) == "x!"
+
+
+# --- the flags: a mistake is one line, exit code 2 -----------------------------------------------------------
+
+
+def test_bad_json_in_chat_template_kwargs(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "--chat-template-kwargs", "{enable_thinking: false}", home=tmp_path),
+                      "--chat-template-kwargs", "not valid JSON")
+
+
+def test_chat_template_kwargs_must_be_an_object(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "--chat-template-kwargs", "[1, 2]", home=tmp_path),
+                      "--chat-template-kwargs", "JSON object")
+
+
+def test_enable_thinking_must_be_a_boolean(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "--chat-template-kwargs", '{"enable_thinking": "no"}', home=tmp_path),
+                      "enable_thinking must be true or false")
+
+
+def test_missing_chat_template_file(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "--chat-template-file", str(tmp_path / "nope.jinja"), home=tmp_path),
+                      "--chat-template-file", "nope.jinja", "no such file")
+
+
+def test_unknown_built_in_template_name(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "--chat-template", "no-such-template", home=tmp_path),
+                      "--chat-template", "no-such-template", "chatml")
+
+
+def test_broken_jinja_in_chat_template(cli, tmp_path):
+    assert_user_error(cli("prompt", "hi", "--chat-template", "{% for m in messages %}", home=tmp_path),
+                      "--chat-template", "not a valid Jinja template")
+
+
+def test_template_and_template_file_together(cli, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ 'x' }}")
+    assert_user_error(cli("prompt", "hi", "--chat-template", "chatml", "--chat-template-file", str(path), home=tmp_path),
+                      "not both")
+
+
+def test_models_toml_chat_template_keys(tmp_path):
+    from specchat.config import load_config
+
+    (tmp_path / "t.jinja").write_text("{{ 'x' }}")
+    toml = tmp_path / "m.toml"
+    toml.write_text('[models.mine]\npath = "a.gguf"\nchat_template_file = "t.jinja"\n'
+                    'chat_template_kwargs = { enable_thinking = false }\n')
+    spec = load_config(toml).model("mine")
+    assert spec.chat_template_file == str(tmp_path / "t.jinja")
+    assert spec.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_models_toml_bad_chat_template_kwargs(cli, tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text('[models.mine]\npath = "a.gguf"\nchat_template_kwargs = "{nope"\n')
+    assert_user_error(cli("prompt", "hi", home=tmp_path, env={"SPECCHAT_CONFIG": str(toml)}),
+                      "bad.toml:3", "chat_template_kwargs", "not valid JSON")
