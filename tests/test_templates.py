@@ -1,10 +1,12 @@
 """Prompts exactly as llama.cpp renders them (issue 53), and the chat-template flags.
 
-tests/reference/llamacpp_templates.json holds what llama-server answered (POST /apply-template) for every
-template the vendored llama.cpp ships, three conversations, thinking on / off / left to llama.cpp; it was
-written by tests/reference/record_templates.py, which reruns against a llama-server build. Here specchat
-renders the same inputs (the same BOS/EOS texts, the same date) and must give the same prompt, with no
-llama.cpp running. Where llama.cpp itself refuses a conversation, specchat is only asked not to crash.
+tests/reference/llamacpp_prompts.MODEL.json hold what llama-server answered (POST /apply-template) for
+every template the vendored llama.cpp ships, three conversations, thinking on / off / left to llama.cpp,
+with two models' BOS/EOS texts (SmolLM2: BOS not added by the tokenizer; Gemma 3: added, so llama.cpp cuts
+a template's leading BOS). tests/reference/record_templates.py wrote them and reruns against a llama-server
+build. Here specchat renders the same inputs (the same BOS/EOS texts, the same date) and must give the same
+prompt, with no llama.cpp running. Where llama.cpp itself refuses a conversation, specchat is only asked
+not to crash.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from specchat.jinja_chat import TemplateRenderError, render_chat, supports_think
 from specchat.template import ChatFormat, render_text
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
-DATA = json.loads((REFERENCE / "llamacpp_templates.json").read_text(encoding="utf-8"))
-RECORDED_ON = datetime.datetime.combine(datetime.date.fromisoformat(DATA["date"]), datetime.time(12))
+RECORDINGS = {data["model"]: data for data in (json.loads(p.read_text(encoding="utf-8"))
+                                                 for p in sorted(REFERENCE.glob("llamacpp_prompts.*.json")))}
 
 # Cases where specchat's prompt differs from llama.cpp's, each with why. Keep this short.
 EXCEPTIONS: dict[str, str] = {}
@@ -31,44 +33,51 @@ def template(name: str) -> str:
     return (REFERENCE / "templates" / f"{name}.jinja").read_text(encoding="utf-8")
 
 
-def render_like_recording(name: str, case: str) -> str:
+def render_like_recording(model: str, name: str, case: str) -> str:
+    data = RECORDINGS[model]
     conversation, mode = case.split("/")
-    return render_chat(template(name), DATA["conversations"][conversation], bos_token=DATA["bos_token"],
-                       eos_token=DATA["eos_token"], kwargs=DATA["thinking"][mode], add_bos=DATA["add_bos"],
-                       add_eos=DATA.get("add_eos", False), now=RECORDED_ON)
+    recorded_on = datetime.datetime.combine(datetime.date.fromisoformat(data["date"]), datetime.time(12))
+    return render_chat(template(name), data["conversations"][conversation], bos_token=data["bos_token"],
+                       eos_token=data["eos_token"], kwargs=data["thinking"][mode], add_bos=data["add_bos"],
+                       add_eos=data["add_eos"], now=recorded_on)
 
 
-CASES = [(name, case) for name, per_template in sorted(DATA["results"].items()) for case in per_template]
+CASES = [(model, name, case) for model, data in RECORDINGS.items()
+         for name, per_template in sorted(data["results"].items()) for case in per_template]
 
 
 def test_every_vendored_template_was_recorded():
     names = {p.stem for p in (REFERENCE / "templates").glob("*.jinja")}
-    assert names == set(DATA["results"]) and len(names) >= 70
-    assert all("server_error" not in answers for answers in DATA["results"].values())
+    assert len(names) >= 70 and {"smollm2-135m", "gemma-3-270m"} <= set(RECORDINGS)
+    assert RECORDINGS["gemma-3-270m"]["add_bos"] and not RECORDINGS["smollm2-135m"]["add_bos"]
+    for data in RECORDINGS.values():
+        assert set(data["results"]) == names
+        assert all("server_error" not in answers for answers in data["results"].values())
 
 
-@pytest.mark.parametrize(("name", "case"), CASES, ids=[f"{n}:{c}" for n, c in CASES])
-def test_prompt_equals_llamacpp(name, case):
-    answer = DATA["results"][name][case]
+@pytest.mark.parametrize(("model", "name", "case"), CASES, ids=[f"{m}:{n}:{c}" for m, n, c in CASES])
+def test_prompt_equals_llamacpp(model, name, case):
+    answer = RECORDINGS[model]["results"][name][case]
     if "error" in answer:  # llama.cpp refuses this one; specchat may render it or refuse it, cleanly
         try:
-            render_like_recording(name, case)
+            render_like_recording(model, name, case)
         except TemplateRenderError:
             pass
         return
-    if f"{name}:{case}" in EXCEPTIONS or name in EXCEPTIONS:
-        pytest.skip(EXCEPTIONS.get(f"{name}:{case}") or EXCEPTIONS[name])
-    assert render_like_recording(name, case) == answer["prompt"]
+    why = EXCEPTIONS.get(f"{name}:{case}") or EXCEPTIONS.get(name)
+    if why:
+        pytest.skip(why)
+    assert render_like_recording(model, name, case) == answer["prompt"]
 
 
 def test_no_template_llamacpp_renders_is_refused():
     refused = []
-    for name, case in CASES:
-        if "prompt" in DATA["results"][name][case]:
+    for model, name, case in CASES:
+        if "prompt" in RECORDINGS[model]["results"][name][case]:
             try:
-                render_like_recording(name, case)
+                render_like_recording(model, name, case)
             except TemplateRenderError as e:
-                refused.append(f"{name}:{case}: {e}")
+                refused.append(f"{model}:{name}:{case}: {e}")
     assert refused == []
 
 

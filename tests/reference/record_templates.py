@@ -4,7 +4,7 @@ llama.cpp is the reference for how a chat becomes a prompt (issue 53). This scri
 (--jinja --chat-template-file T, POST /apply-template) for the prompt of a few short conversations under
 every template the vendored llama.cpp ships (vendor/llama.cpp/models/templates/*.jinja in the
 llama-cpp-python sdist), with thinking on, off and left to llama.cpp's default, and writes what it answered
-(the prompt, or its error) to tests/reference/llamacpp_templates.json. The templates are copied beside it
+(the prompt, or its error) to tests/reference/llamacpp_prompts.MODEL.json. The templates are copied beside it
 (tests/reference/templates/, MIT, from llama.cpp's repository), so the suite checks specchat against
 llama.cpp's output without building or running llama.cpp.
 
@@ -16,8 +16,10 @@ Rerun it after llama-cpp-python (and so the vendored llama.cpp) changes:
     PYTHONPATH=. python3 tests/reference/record_templates.py            # builds llama-server once (~15 min)
     PYTHONPATH=. python3 tests/reference/record_templates.py --server PATH/llama-server --templates DIR
 
-The model only supplies the BOS / EOS texts the templates see: SmolLM2-135M (models.toml's smollm2-135m),
-whose texts are recorded with the data. Every server is bound to 127.0.0.1 and stopped before the next starts.
+The model only supplies the BOS / EOS texts the templates see and whether its tokenizer adds BOS itself
+(llama.cpp then cuts the template's own leading BOS from the prompt): models.toml's smollm2-135m (BOS not
+added) and gemma-3-270m (added), each recorded with the data. Every server is bound to 127.0.0.1 and
+stopped before the next starts.
 
 Not recorded: llama-server's split of replies into reasoning_content and content. /apply-template only
 renders; the split happens on text the model generated (/v1/chat/completions), so recording it for given
@@ -40,7 +42,12 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DATA = HERE / "llamacpp_templates.json"
+MODELS = ("smollm2-135m", "gemma-3-270m")
+
+
+def data_file(model: str) -> Path:
+    return HERE / f"llamacpp_prompts.{model}.json"
+
 TEMPLATES = HERE / "templates"
 
 # The three conversations of issue 53: one user message; a system prompt with two turns; a history whose
@@ -144,26 +151,26 @@ def build_server() -> Path:
     return build(2, "llama-server")
 
 
-def model_path() -> Path:
+def model_path(name: str) -> Path:
     from specchat.config import load_config
     from specchat.sources import resolve
 
-    return Path(resolve(load_config().model("smollm2-135m")))
+    return Path(resolve(load_config().model(name)))
 
 
-def record(binary: Path, model: Path, templates: Path, only: list[str] | None = None) -> dict:
+def record(binary: Path, model: Path, templates: Path, only: list[str] | None = None, name: str = "") -> dict:
     names = sorted(p.stem for p in templates.glob("*.jinja"))
     if only:
         names = [n for n in names if n in only]
     results: dict[str, dict] = {}
     props: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, name in enumerate(names, 1):
-            print(f"[{i}/{len(names)}] {name}", flush=True)
-            with Server(binary, model, templates / f"{name}.jinja", Path(tmp) / "server.log") as server:
+        for i, template in enumerate(names, 1):
+            print(f"[{i}/{len(names)}] {template}", flush=True)
+            with Server(binary, model, templates / f"{template}.jinja", Path(tmp) / "server.log") as server:
                 failed = server.wait_ready()
                 if failed is not None:
-                    results[name] = {"server_error": failed}
+                    results[template] = {"server_error": failed}
                     continue
                 if not props:
                     _, props = post(server.port, "/props")
@@ -178,12 +185,13 @@ def record(binary: Path, model: Path, templates: Path, only: list[str] | None = 
                             error = answer.get("error", {})
                             message = error.get("message") if isinstance(error, dict) else str(error)
                             per_template[f"{conv}/{mode}"] = {"error": message or f"HTTP {status}"}
-                results[name] = per_template
+                results[template] = per_template
     return {
         "about": "llama-server's /apply-template prompts for every vendored template; written by record_templates.py",
         "llama_cpp_python": _llama_cpp_version(),
         "server_build": props.get("build_info", ""),
-        "model": model.name,
+        "model": name or model.name,
+        "model_file": model.name,
         "bos_token": props.get("bos_token", ""),
         "eos_token": props.get("eos_token", ""),
         "add_bos": _adds_specials(model)[0],
@@ -213,32 +221,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", type=Path, help="a llama-server binary (default: build the vendored one)")
     parser.add_argument("--templates", type=Path, help="the templates folder (default: the vendored one)")
-    parser.add_argument("--model", type=Path, help="the GGUF whose BOS/EOS the templates see (default: smollm2-135m)")
+    parser.add_argument("--model", action="append", help=f"a models.toml name whose BOS/EOS the templates see "
+                        f"(repeatable; default: {', '.join(MODELS)})")
     parser.add_argument("--only", nargs="*", help="record only these templates (by file stem), keeping the rest")
-    parser.add_argument("--out", type=Path, default=DATA)
     args = parser.parse_args()
 
     binary = args.server or build_server()
     templates = args.templates or sdist_templates()
-    model = args.model or model_path()
-    data = record(binary, model, templates, args.only)
-    if args.only and args.out.exists():
-        old = json.loads(args.out.read_text())
-        old["results"].update(data["results"])
-        data["results"] = old["results"]
-    TEMPLATES.mkdir(exist_ok=True)
-    for name in data["results"]:
-        shutil.copyfile(templates / f"{name}.jinja", TEMPLATES / f"{name}.jinja")
-    license_file = templates.parents[1] / "LICENSE"
-    if license_file.exists():
-        shutil.copyfile(license_file, TEMPLATES / "LICENSE")
-    args.out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    counts = {"prompt": 0, "error": 0}
-    for per_template in data["results"].values():
-        for answer in per_template.values():
-            if isinstance(answer, dict):
-                counts["prompt" if "prompt" in answer else "error"] += 1
-    print(f"wrote {args.out}: {len(data['results'])} templates, {counts['prompt']} prompts, {counts['error']} errors")
+    for name in args.model or MODELS:
+        out = data_file(name)
+        data = record(binary, model_path(name), templates, args.only, name)
+        if args.only and out.exists():
+            old = json.loads(out.read_text())
+            old["results"].update(data["results"])
+            data["results"] = old["results"]
+        TEMPLATES.mkdir(exist_ok=True)
+        for template in data["results"]:
+            shutil.copyfile(templates / f"{template}.jinja", TEMPLATES / f"{template}.jinja")
+        license_file = templates.parents[1] / "LICENSE"
+        if license_file.exists():
+            shutil.copyfile(license_file, TEMPLATES / "LICENSE")
+        out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        counts = {"prompt": 0, "error": 0}
+        for per_template in data["results"].values():
+            for answer in per_template.values():
+                if isinstance(answer, dict):
+                    counts["prompt" if "prompt" in answer else "error"] += 1
+        print(f"wrote {out}: {len(data['results'])} templates, {counts['prompt']} prompts, {counts['error']} errors")
 
 
 if __name__ == "__main__":
