@@ -176,3 +176,35 @@ def test_models_toml_bad_chat_template_kwargs(cli, tmp_path):
     toml.write_text('[models.mine]\npath = "a.gguf"\nchat_template_kwargs = "{nope"\n')
     assert_user_error(cli("prompt", "hi", home=tmp_path, env={"SPECCHAT_CONFIG": str(toml)}),
                       "bad.toml:3", "chat_template_kwargs", "not valid JSON")
+
+
+def test_models_toml_template_and_template_file_together_is_an_error(tmp_path):
+    from specchat.config import ConfigError, load_config
+
+    toml = tmp_path / "m.toml"
+    toml.write_text('[models.mine]\npath = "a.gguf"\nchat_template = "chatml"\nchat_template_file = "t.jinja"\n')
+    with pytest.raises(ConfigError, match="m.toml:4: .*not both"):
+        load_config(toml)
+
+
+def test_the_flags_win_over_models_toml_which_wins_over_the_gguf(tmp_path):
+    from specchat.config import ModelSpec
+    from specchat.loader import LoadOptions, target_format
+    from specchat.template import template_from_text
+
+    target = FakeBackend(lambda ids: None, 8, chat_template="{{ 'gguf' }}")
+    spec = ModelSpec("m", "path", "m.gguf", chat_template="{{ 'toml' }}", chat_template_kwargs={"a": 1, "b": 1})
+    assert target_format(target, ModelSpec("m", "path", "m.gguf"), LoadOptions()).source == "{{ 'gguf' }}"
+    assert target_format(target, spec, LoadOptions()).source == "{{ 'toml' }}"
+    chosen = target_format(target, spec, LoadOptions(chat_template=template_from_text("{{ 'flag' }}"),
+                                                     chat_template_kwargs={"b": 2}))
+    assert chosen.source == "{{ 'flag' }}" and chosen.kwargs == {"a": 1, "b": 2}
+
+
+def test_a_built_in_name_is_rendered_by_llamacpp():
+    from specchat.template import render_builtin, template_from_text
+
+    assert template_from_text("llama3").builtin == "llama3"
+    assert template_from_text("chatml").source  # llama-server --jinja's own ChatML source
+    text = render_builtin("llama3", [{"role": "user", "content": "hi"}])
+    assert text == "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
