@@ -50,7 +50,7 @@ def data_file(model: str) -> Path:
 
 TEMPLATES = HERE / "templates"
 
-# The three conversations of issue 53: one user message; a system prompt with two turns; a history whose
+# The conversations: issue 53's three, one user message; a system prompt with two turns; a history whose
 # assistant turn carries a thought (reasoning_content, as llama-server takes it).
 CONVERSATIONS = {
     "one_user": [
@@ -66,6 +66,16 @@ CONVERSATIONS = {
         {"role": "user", "content": "What is 2+2?"},
         {"role": "assistant", "reasoning_content": "Two and two make four.", "content": "4"},
         {"role": "user", "content": "And 3+3?"},
+    ],
+    # beyond issue 53's three: text a template might mangle (quotes, braces, unicode, edge whitespace) and
+    # thoughts in two earlier turns
+    "awkward_text": [
+        {"role": "system", "content": "  Answer in \"quotes\" {like} <this>; ünïcödé ✓\n"},
+        {"role": "user", "content": "Line one\n\nline 'two'  "},
+        {"role": "assistant", "reasoning_content": "First thought.", "content": "\nReply one."},
+        {"role": "user", "content": "[INST] not a tag [/INST]"},
+        {"role": "assistant", "reasoning_content": "Second\nthought.", "content": "Reply two"},
+        {"role": "user", "content": "Done?"},
     ],
 }
 # thinking mode -> the chat_template_kwargs sent ("default": none, llama.cpp decides)
