@@ -99,9 +99,11 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
 
 
 def _plain(value: Any) -> Any:
-    """Watched probe values back to plain ones (json.dumps takes dict/list/str subclasses, but be explicit)."""
+    """The probes' watched values as plain ones, read without being recorded as read."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in dict.items(value)}
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in dict.items(value)} if isinstance(value, dict) else {k: _plain(v) for k, v in value.items()}
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, str):
@@ -220,7 +222,10 @@ class _WatchedStr(str):
     """A string content that records being indexed or iterated as a list would be. Iterating fails, as
     llama.cpp's `for` over a string does."""
 
-    ops: set[str]
+    def __new__(cls, text: str):
+        watched = super().__new__(cls, text)
+        watched.ops = set()
+        return watched
 
     def __getitem__(self, index):
         if isinstance(index, (int, bool)):
@@ -233,7 +238,11 @@ class _WatchedStr(str):
 
 
 class _WatchedList(list):
-    ops: set[str]
+    """A list content that records being indexed or iterated."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.ops: set[str] = set()
 
     def __getitem__(self, index):
         self.ops.add("array_access")
@@ -257,7 +266,6 @@ def template_caps(source: str) -> Caps:
     """System role and content shapes as llama.cpp's caps_get finds them."""
     string_content, typed_content = True, False
     marker = _WatchedStr("STRING_MARKER")
-    marker.ops = set()
     ok, out = _probe(source, [_WatchedDict(role="user", content=marker)])
     checks_for_string = "test_is_string" in marker.ops
     as_array = bool(marker.ops & {"selectattr", "array_access"})
@@ -267,7 +275,6 @@ def template_caps(source: str) -> Caps:
         string_content = False
     if checks_for_string:
         parts = _WatchedList()
-        parts.ops = set()
         ok, _ = _probe(source, [_WatchedDict(role="user", content=parts)])
         if ok and parts.ops & {"selectattr", "array_access"}:
             typed_content = True

@@ -1,7 +1,8 @@
 """Prompts exactly as llama.cpp renders them (issue 53), and the chat-template flags.
 
 tests/reference/llamacpp_prompts.MODEL.json hold what llama-server answered (POST /apply-template) for
-every template the vendored llama.cpp ships, three conversations, thinking on / off / left to llama.cpp,
+every template the vendored llama.cpp ships, issue 53's three conversations and a fourth of awkward text,
+thinking on / off / left to llama.cpp,
 with two models' BOS/EOS texts (SmolLM2: BOS not added by the tokenizer; Gemma 3: added, so llama.cpp cuts
 a template's leading BOS). tests/reference/record_templates.py wrote them and reruns against a llama-server
 build. Here specchat renders the same inputs (the same BOS/EOS texts, the same date) and must give the same
