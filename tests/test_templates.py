@@ -1,7 +1,8 @@
 """Prompts exactly as llama.cpp renders them (issue 53), and the chat-template flags.
 
 tests/reference/llamacpp_prompts.MODEL.json hold what llama-server answered (POST /apply-template) for
-every template the vendored llama.cpp ships, issue 53's three conversations and a fourth of awkward text,
+every template the vendored llama.cpp ships, issue 53's three conversations, one of awkward text and an
+ended history without a generation prompt (what resuming a transcript renders),
 thinking on / off / left to llama.cpp,
 with two models' BOS/EOS texts (SmolLM2: BOS not added by the tokenizer; Gemma 3: added, so llama.cpp cuts
 a template's leading BOS). tests/reference/record_templates.py wrote them and reruns against a llama-server
@@ -40,7 +41,8 @@ def render_like_recording(model: str, name: str, case: str) -> str:
     recorded_on = datetime.datetime.combine(datetime.date.fromisoformat(data["date"]), datetime.time(12))
     return render_chat(template(name), data["conversations"][conversation], bos_token=data["bos_token"],
                        eos_token=data["eos_token"], kwargs=data["thinking"][mode], add_bos=data["add_bos"],
-                       add_eos=data["add_eos"], now=recorded_on)
+                       add_eos=data["add_eos"], now=recorded_on,
+                       add_generation_prompt=conversation not in data["no_generation_prompt"])
 
 
 CASES = [(model, name, case) for model, data in RECORDINGS.items()

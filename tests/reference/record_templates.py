@@ -77,7 +77,18 @@ CONVERSATIONS = {
         {"role": "assistant", "reasoning_content": "Second\nthought.", "content": "Reply two"},
         {"role": "user", "content": "Done?"},
     ],
+    # a history that ends with the assistant's reply, rendered without a generation prompt: what specchat
+    # renders when it resumes a transcript (llama-server runs with --no-prefill-assistant, so the last reply
+    # is a whole message, not one to continue)
+    "ended_history": [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "reasoning_content": "Seven is prime.", "content": "Seven."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Eleven."},
+    ],
 }
+NO_GENERATION_PROMPT = ("ended_history",)
 # thinking mode -> the chat_template_kwargs sent ("default": none, llama.cpp decides)
 THINKING = {"default": {}, "on": {"enable_thinking": True}, "off": {"enable_thinking": False}}
 
@@ -112,7 +123,7 @@ class Server:
             self.process = subprocess.Popen(
                 [str(binary), "-m", str(model), "--jinja", "--chat-template-file", str(template),
                  "--host", "127.0.0.1", "--port", str(self.port), "-c", "512", "-np", "1", "-t", "1",
-                 "--no-webui"],
+                 "--no-webui", "--no-prefill-assistant"],
                 stdout=out, stderr=subprocess.STDOUT,
             )
 
@@ -187,8 +198,9 @@ def record(binary: Path, model: Path, templates: Path, only: list[str] | None = 
                 per_template = {}
                 for conv, messages in CONVERSATIONS.items():
                     for mode, kwargs in THINKING.items():
-                        status, answer = post(server.port, "/apply-template",
-                                              {"messages": messages, "chat_template_kwargs": kwargs})
+                        status, answer = post(server.port, "/apply-template", {
+                            "messages": messages, "chat_template_kwargs": kwargs,
+                            "add_generation_prompt": conv not in NO_GENERATION_PROMPT})
                         if status == 200 and "prompt" in answer:
                             per_template[f"{conv}/{mode}"] = {"prompt": answer["prompt"]}
                         else:
@@ -208,6 +220,7 @@ def record(binary: Path, model: Path, templates: Path, only: list[str] | None = 
         "add_eos": _adds_specials(model)[1],
         "date": datetime.date.today().isoformat(),
         "conversations": CONVERSATIONS,
+        "no_generation_prompt": list(NO_GENERATION_PROMPT),
         "thinking": THINKING,
         "results": results,
     }
