@@ -454,7 +454,7 @@ def chat_command(
 
     Keys: Enter sends; Alt+Enter (or Esc then Enter) starts a new line; Tab completes /commands; Ctrl-C stops a reply, and at an empty prompt exits, as Ctrl-D does. Commands: /help /reset /stats /draft N /temp X /spec on|off /rpc off /system TEXT /save FILE /exit.
 
-    The chat template comes from the target's GGUF metadata; a model without one (a base model such as gemma-3-270m) gets a plain "User: / Assistant:" transcript. Each message is appended to a JSONL transcript in $XDG_DATA_HOME/specchat/transcripts as soon as it is final; --resume FILE continues one.
+    Prompts are what llama.cpp (llama-server --jinja) renders for the same messages. The chat template comes from --chat-template / --chat-template-file, else models.toml, else the target's GGUF metadata; a model without one (a base model such as gemma-3-270m) gets a plain "User: / Assistant:" transcript. Each message is appended to a JSONL transcript in $XDG_DATA_HOME/specchat/transcripts as soon as it is final; --resume FILE continues one.
     """
     from .config import load_config
 

@@ -6,7 +6,9 @@ of common/chat.cpp. This module gives a template exactly those inputs, in Python
 
 - the variables: `messages`, `bos_token` / `eos_token` (the model's token texts), `enable_thinking`
   (always set), `add_generation_prompt` (set only when true: absent otherwise, as llama.cpp leaves it),
-  `datetime` ("%b %d %Y") and `date_string` ("%d %b %Y"), then the chat-template kwargs over all of them;
+  `datetime` ("%b %d %Y") and `date_string` ("%d %b %Y"), then the chat-template kwargs over all of them
+  (`preserve_reasoning` true unless they say otherwise, as llama.cpp's --reasoning-preserve default: it
+  also sets preserve_thinking, and clear_thinking / truncate_history_thinking / drop_thinking false);
   `tools` stays undefined when there are none, so a tool-use template loops over nothing;
 - the functions and filters: `raise_exception`, `strftime_now` (local time, as llama.cpp's), `tojson`
   without HTML escaping, `{% generation %}` blocks as plain text;
@@ -20,7 +22,8 @@ of common/chat.cpp. This module gives a template exactly those inputs, in Python
 
 Which roles and content shapes a template reads is found the way llama.cpp finds it (common/jinja/caps.cpp):
 render probe conversations and watch which fields the template reads. The thinking default is llama.cpp's
-too: on where the template renders thinking on and off differently.
+too: on where its dedicated handler says so, else where its template analysis finds reasoning markers
+(simplified here; see supports_thinking).
 
 Kept out (tested nowhere here, so not claimed): tool calls and tool results in the history, tool lists,
 continuing a final assistant message, media parts.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -95,9 +99,11 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
 
 
 def _plain(value: Any) -> Any:
-    """Watched probe values back to plain ones (json.dumps takes dict/list/str subclasses, but be explicit)."""
+    """The probes' watched values as plain ones, read without being recorded as read."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in dict.items(value)}
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in dict.items(value)} if isinstance(value, dict) else {k: _plain(v) for k, v in value.items()}
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, str):
@@ -216,7 +222,10 @@ class _WatchedStr(str):
     """A string content that records being indexed or iterated as a list would be. Iterating fails, as
     llama.cpp's `for` over a string does."""
 
-    ops: set[str]
+    def __new__(cls, text: str):
+        watched = super().__new__(cls, text)
+        watched.ops = set()
+        return watched
 
     def __getitem__(self, index):
         if isinstance(index, (int, bool)):
@@ -229,7 +238,11 @@ class _WatchedStr(str):
 
 
 class _WatchedList(list):
-    ops: set[str]
+    """A list content that records being indexed or iterated."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.ops: set[str] = set()
 
     def __getitem__(self, index):
         self.ops.add("array_access")
@@ -253,7 +266,6 @@ def template_caps(source: str) -> Caps:
     """System role and content shapes as llama.cpp's caps_get finds them."""
     string_content, typed_content = True, False
     marker = _WatchedStr("STRING_MARKER")
-    marker.ops = set()
     ok, out = _probe(source, [_WatchedDict(role="user", content=marker)])
     checks_for_string = "test_is_string" in marker.ops
     as_array = bool(marker.ops & {"selectattr", "array_access"})
@@ -263,7 +275,6 @@ def template_caps(source: str) -> Caps:
         string_content = False
     if checks_for_string:
         parts = _WatchedList()
-        parts.ops = set()
         ok, _ = _probe(source, [_WatchedDict(role="user", content=parts)])
         if ok and parts.ops & {"selectattr", "array_access"}:
             typed_content = True
@@ -305,17 +316,55 @@ def _fold_system(messages: list[dict]) -> list[dict]:
     return messages
 
 
+def specialized_handler(source: str) -> str | None:
+    """Which of llama.cpp's dedicated template handlers takes this template, tested in its order
+    (common_chat_try_specialized_template); None: its generic analysis does."""
+    def has(*needles: str) -> bool:
+        return all(n in source for n in needles)
+
+    if has("[SYSTEM_PROMPT]", "[TOOL_CALLS]", "[ARGS]") and "[CALL_ID]" not in source:
+        return "ministral3"
+    if has("<|channel|>"):
+        return "gpt-oss"
+    if has("<atem:function_calls>", "<|eom|>"):
+        return "muse-glimmer"
+    if has(">>>all", ">>>${recipient}"):
+        return "functionary-v3.2"
+    if has("<|tool_calls_section_begin|>", "<|tool_call_begin|>"):
+        return "kimi-k2"
+    if has("<|open|>", "<|close|>", "<|end_of_msg|>"):
+        return "kimi-k3"
+    if has("<role>ASSISTANT</role>", "<arg_key>"):
+        return "ling3"
+    if has("<|START_TEXT|>", "<|START_ACTION|>"):
+        return "cohere2moe"
+    if has("<|tool_list_start|>", "<|tool_list_end|>"):
+        return "lfm2"
+    if has("List of tools: [") and "<|tool_list_start|>" not in source:
+        return "lfm2.5"
+    if has("<|role_sep|>", "<|message_sep|>") and "<|function_call|>" not in source:
+        return "gigachat-v3"
+    if has("]<]minimax[>[", "<tool_call>", "<invoke name="):
+        return "minimax-m3"
+    if has("dsml_token", "DSML") and ("function_calls" in source or "tool_calls" in source):
+        return "deepseek-v3.2"
+    if has("'<|tool_call>call:'"):
+        return "gemma4"
+    if has("Tool usage guidelines:", '<function name="', '<param name="'):
+        return "minicpm5"
+    if has("<tool_call>", "<function=", "<parameter=") and "'<tool_call><function=' ~ tool_call.name ~ '>'" not in source:
+        return "qwen3-coder"
+    return None
+
+
+# whether each dedicated handler says the template thinks (data.supports_thinking in common/parsers/*.cpp)
+_HANDLER_THINKS = {"ministral3": True, "gpt-oss": True, "muse-glimmer": True, "functionary-v3.2": False,
+                   "kimi-k2": True, "kimi-k3": True, "ling3": True, "cohere2moe": True, "lfm2": True, "lfm2.5": True,
+                   "gigachat-v3": False, "minimax-m3": True, "deepseek-v3.2": True, "gemma4": True, "minicpm5": True}
+
+
 def _is_gpt_oss(source: str) -> bool:
     return "<|channel|>" in source
-
-
-def _is_lfm2(source: str) -> bool:
-    return ("<|tool_list_start|>" in source and "<|tool_list_end|>" in source) or (
-        "List of tools: [" in source and "<|tool_list_start|>" not in source)
-
-
-def _is_ministral3(source: str) -> bool:
-    return all(s in source for s in ("[SYSTEM_PROMPT]", "[TOOL_CALLS]", "[ARGS]")) and "[CALL_ID]" not in source
 
 
 def _is_stepfun(source: str) -> bool:
@@ -324,7 +373,8 @@ def _is_stepfun(source: str) -> bool:
 
 def _messages_override(source: str, messages: list[dict]) -> list[dict] | None:
     """The specialised handlers that hand the template their own messages (common/parsers/*.cpp)."""
-    if _is_ministral3(source):
+    handler = specialized_handler(source)
+    if handler == "ministral3":
         out = []
         for m in messages:
             if m["role"] not in ("system", "assistant"):
@@ -341,7 +391,7 @@ def _messages_override(source: str, messages: list[dict]) -> list[dict] | None:
             adjusted["content"] = content
             out.append(adjusted)
         return out
-    if _is_gpt_oss(source) or _is_lfm2(source):
+    if handler in ("gpt-oss", "lfm2", "lfm2.5"):
         return [{**m, "thinking": m["reasoning_content"]} if isinstance(m.get("reasoning_content"), str) else m
                 for m in messages]
     return None
@@ -376,7 +426,9 @@ def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *, bos_token
     --chat-template-kwargs, already parsed (an `enable_thinking` among them wins, as in llama-server);
     `add_bos` / `add_eos`: whether the model's tokenizer adds them itself (then llama.cpp cuts the
     template's own copy from the text)."""
-    kwargs = dict(kwargs or {})
+    # llama.cpp keeps earlier turns' thoughts unless told not to (--reasoning-preserve is on by default:
+    # preserve_reasoning true, and so clear_thinking / drop_thinking false)
+    kwargs = {"preserve_reasoning": True, **(kwargs or {})}
     if isinstance(kwargs.get("enable_thinking"), bool):
         enable_thinking = kwargs["enable_thinking"]
     if enable_thinking is None:
@@ -409,13 +461,77 @@ def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *, bos_token
     return text
 
 
+_MARKER_RE = re.compile(r"<[^<>]*>|\[[^\[\]]*\]")
+
+
+def _segments(text: str) -> list[str]:
+    """Text cut into markers (<...>, [...]) and the text between them (chat-auto-parser-helpers.cpp)."""
+    out, at = [], 0
+    for m in _MARKER_RE.finditer(text):
+        if m.start() > at:
+            out.append(text[at:m.start()])
+        out.append(m.group())
+        at = m.end()
+    if at < len(text):
+        out.append(text[at:])
+    return out
+
+
+def _diff(a: str, b: str) -> tuple[str, str]:
+    """What differs between two renderings once their common leading and trailing segments are cut."""
+    sa, sb = _segments(a), _segments(b)
+    i = 0
+    while i < min(len(sa), len(sb)) and sa[i] == sb[i]:
+        i += 1
+    j = 0
+    while j < min(len(sa), len(sb)) - i and sa[-1 - j] == sb[-1 - j]:
+        j += 1
+    return "".join(sa[i:len(sa) - j]), "".join(sb[i:len(sb) - j])
+
+
 @lru_cache(maxsize=64)
 def supports_thinking(source: str, bos_token: str = "", eos_token: str = "") -> bool:
-    """llama.cpp's default for enable_thinking: on where the template renders a turn differently with it."""
-    probe = [{"role": "user", "content": "test"}]
+    """llama.cpp's default for enable_thinking: on where its template analysis finds reasoning markers
+    (common/chat-diff-analyzer.cpp, simplified): a thought in the history rendered between markers, or
+    thinking on / off changing the end of the generation prompt (a <think> opened, or closed at once)."""
+    patched = patch_source(source)
+    if ("content.split('</think>')" in patched and "reasoning_content" not in patched
+            and "<SPECIAL_12>" not in patched):  # llama.cpp's patch for the old Qwen / DeepSeek templates
+        return True
+    handler = specialized_handler(patched)
+    if handler in _HANDLER_THINKS:
+        return _HANDLER_THINKS[handler]
+    if handler == "qwen3-coder":
+        return "<think>" in patched
+
+    def text(messages, thinking, generation):
+        return render_chat(source, messages, bos_token=bos_token, eos_token=eos_token, enable_thinking=thinking,
+                           add_generation_prompt=generation, kwargs={"enable_thinking": thinking})
+
+    user = {"role": "user", "content": "U_USER_MSG Hello END_U"}
+    answer = {"role": "assistant", "content": "A_ASST_MSG I can help END_A"}
+    thought = "REASON_PART I am thinking END_R"
     try:
-        on = render_chat(source, probe, bos_token=bos_token, eos_token=eos_token, enable_thinking=True)
-        off = render_chat(source, probe, bos_token=bos_token, eos_token=eos_token, enable_thinking=False)
+        with_thought = text([user, {**answer, "reasoning_content": thought}], True, False)
+        if thought in with_thought:
+            after = with_thought[with_thought.index(thought) + len(thought):].lstrip()
+            if _MARKER_RE.match(after):
+                return True
+        off, on = text([user], False, True), text([user], True, True)
     except TemplateRenderError:
         return False
-    return on != off
+    left, right = _diff(off, on)
+    if not left.strip() and right.strip():
+        return on.endswith(right.strip())
+    if not right.strip() and left.strip():
+        return off.endswith(left.strip())
+    if left.strip() and right.strip():  # one generation prompt is the other's plus two markers
+        for base, extended in ((on, off), (off, on)):
+            anchor = base[-64:]
+            at = extended.rfind(anchor)
+            if at < 0 or at + len(anchor) >= len(extended):
+                continue
+            extra = [seg for seg in _segments(extended[at + len(anchor):].strip()) if seg.strip()]
+            if len(extra) == 2 and all(_MARKER_RE.fullmatch(seg) for seg in extra):
+                return True
+    return False

@@ -33,7 +33,8 @@ def prompt_command(
 ) -> None:
     """Generate one reply to TEXT and exit.
 
-    Uses the model's chat template when it has one (SmolLM2-Instruct does), else completes the raw text.
+    Uses the model's chat template when it has one (SmolLM2-Instruct does), or the one --chat-template /
+    --chat-template-file names, rendered as llama.cpp renders it; else completes the raw text.
     Without -m/--pair it runs the `default` pair: SmolLM2-135M-Instruct with prompt lookup.
     """
     config = load_config()
