@@ -86,7 +86,7 @@ def find_markers(source: str, render: Render) -> Markers | None:
     if not start or not end:
         # templates that drop the thought from history (the DeepSeek R1 distills) still name their markers
         for open_, close in KNOWN:
-            if open_ in source and close in source and (not end or end == close):
+            if close in source and (not end or end == close):
                 start, end = start or open_, close
                 break
     if not end:

@@ -487,3 +487,42 @@ def test_report_counts_the_thought_and_the_answer_apart(tmp_path):
     merged = phases_by_setting(records, settings)
     assert merged["target-only"]["thought"].emitted == sum(r.phases["thought"].emitted for r in records
                                                            if r.setting == "target-only")
+
+
+# -- the markers of the real templates llama.cpp ships (tests/reference/templates) ---------------------------
+
+from pathlib import Path  # noqa: E402
+
+TEMPLATES = Path(__file__).resolve().parent / "reference" / "templates"
+THINK = Markers("<think>", "</think>")
+EXPECTED_MARKERS = {
+    "Qwen-Qwen3-0.6B": THINK, "Qwen3.5-4B": THINK, "Qwen-QwQ-32B": THINK, "GLM-4.6": THINK, "GLM-4.7-Flash": THINK,
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": THINK, "deepseek-ai-DeepSeek-V3.1": THINK,
+    "deepseek-ai-DeepSeek-V3.2": THINK, "deepseek-ai-DeepSeek-V4": THINK, "Kimi-K2-Thinking": THINK,
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": THINK, "openbmb-MiniCPM5-1B": THINK, "LFM2.5-Instruct": THINK,
+    "poolside-Laguna-XS-2.1": THINK, "HuggingFaceTB-SmolLM3-3B": THINK,
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": Markers("<|START_THINKING|>", "<|END_THINKING|>"),
+    "openai-gpt-oss-120b": Markers(*HARMONY),
+    "google-gemma-4-31B-it": Markers("<|channel>thought", "<channel|>"),
+    "ByteDance-Seed-OSS": Markers("<seed:think>", "</seed:think>"),
+    "mistralai-Ministral-3-14B-Reasoning-2512": Markers("[THINK]", "[/THINK]"),
+    # no thinking
+    "meta-llama-Llama-3.3-70B-Instruct": None, "Qwen-Qwen2.5-7B-Instruct": None, "google-gemma-2-2b-it": None,
+    "microsoft-Phi-3.5-mini-instruct": None, "mistralai-Mistral-Nemo-Instruct-2407": None,
+}
+# templates that open the thought at the end of the prompt (thinking at its default)
+OPENS = {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "Qwen-QwQ-32B", "deepseek-ai-DeepSeek-V3.1", "GLM-4.7-Flash",
+         "deepseek-ai-DeepSeek-V3.2", "deepseek-ai-DeepSeek-V4", "Qwen3.5-4B", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+         "openbmb-MiniCPM5-1B", "poolside-Laguna-XS-2.1"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MARKERS))
+def test_markers_of_the_templates_llamacpp_ships(name):
+    source = (TEMPLATES / f"{name}.jinja").read_text()
+    render = lambda messages, gen, thinking: render_chat(source, messages, bos_token="<s>", eos_token="</s>",  # noqa: E731
+                                                         add_generation_prompt=gen, enable_thinking=thinking)
+    markers = find_markers(source, render)
+    assert markers == EXPECTED_MARKERS[name]
+    if markers is not None:
+        prompt = render_chat(source, [{"role": "user", "content": "hi"}], bos_token="<s>", eos_token="</s>")
+        assert opens_thought(prompt, markers) is (name in OPENS)
