@@ -53,6 +53,8 @@ def test_every_vendored_template_was_recorded():
     names = {p.stem for p in (REFERENCE / "templates").glob("*.jinja")}
     assert len(names) >= 70 and {"smollm2-135m", "gemma-3-270m"} <= set(RECORDINGS)
     assert RECORDINGS["gemma-3-270m"]["add_bos"] and not RECORDINGS["smollm2-135m"]["add_bos"]
+    # llama-server's split of given replies into reasoning_content / content, kept for parsing thoughts later
+    assert set(RECORDINGS["smollm2-135m"]["reasoning_split"]) == names
     for data in RECORDINGS.values():
         assert set(data["results"]) == names
         assert all("server_error" not in answers for answers in data["results"].values())

@@ -21,9 +21,9 @@ The model only supplies the BOS / EOS texts the templates see and whether its to
 added) and gemma-3-270m (added), each recorded with the data. Every server is bound to 127.0.0.1 and
 stopped before the next starts.
 
-Not recorded: llama-server's split of replies into reasoning_content and content. /apply-template only
-renders; the split happens on text the model generated (/v1/chat/completions), so recording it for given
-replies needs a model that writes them, which SmolLM2 does not.
+For later use (parsing thoughts out of replies), with SmolLM2 only: llama-server's split of a few given
+replies into reasoning_content and content. The split happens on generated text (/v1/chat/completions), so
+the reply is forced with a grammar that allows only its exact text: no reasoning model is needed.
 """
 
 from __future__ import annotations
@@ -89,6 +89,29 @@ CONVERSATIONS = {
     ],
 }
 NO_GENERATION_PROMPT = ("ended_history",)
+# replies whose split into reasoning_content / content llama-server records (after CONVERSATIONS["one_user"])
+REPLIES = {
+    "tagged": "<think>I should recall it.</think>The capital is Paris.",
+    "closed_only": "I should recall it.</think>The capital is Paris.",
+    "plain": "The capital is Paris.",
+}
+SPLIT_MODES = ("default", "off")
+
+
+def exact_grammar(text: str) -> str:
+    """A GBNF grammar whose only sentence is `text`."""
+    return 'root ::= "' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def split_reply(port: int, reply: str, kwargs: dict) -> dict:
+    status, answer = post(port, "/v1/chat/completions", {
+        "messages": CONVERSATIONS["one_user"], "chat_template_kwargs": kwargs, "grammar": exact_grammar(reply),
+        "temperature": 0, "max_tokens": 64, "seed": 0}, timeout=120)
+    if status != 200 or "choices" not in answer:
+        error = answer.get("error", {})
+        return {"error": (error.get("message") if isinstance(error, dict) else str(error)) or f"HTTP {status}"}
+    message = answer["choices"][0]["message"]
+    return {"content": message.get("content") or "", "reasoning_content": message.get("reasoning_content") or ""}
 # thinking mode -> the chat_template_kwargs sent ("default": none, llama.cpp decides)
 THINKING = {"default": {}, "on": {"enable_thinking": True}, "off": {"enable_thinking": False}}
 
@@ -179,11 +202,13 @@ def model_path(name: str) -> Path:
     return Path(resolve(load_config().model(name)))
 
 
-def record(binary: Path, model: Path, templates: Path, only: list[str] | None = None, name: str = "") -> dict:
+def record(binary: Path, model: Path, templates: Path, only: list[str] | None = None, name: str = "",
+           split: bool = False) -> dict:
     names = sorted(p.stem for p in templates.glob("*.jinja"))
     if only:
         names = [n for n in names if n in only]
     results: dict[str, dict] = {}
+    splits: dict[str, dict] = {}
     props: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, template in enumerate(names, 1):
@@ -208,6 +233,9 @@ def record(binary: Path, model: Path, templates: Path, only: list[str] | None = 
                             message = error.get("message") if isinstance(error, dict) else str(error)
                             per_template[f"{conv}/{mode}"] = {"error": message or f"HTTP {status}"}
                 results[template] = per_template
+                if split:
+                    splits[template] = {f"{reply}/{mode}": split_reply(server.port, text, THINKING[mode])
+                                        for reply, text in REPLIES.items() for mode in SPLIT_MODES}
     return {
         "about": "llama-server's /apply-template prompts for every vendored template; written by record_templates.py",
         "llama_cpp_python": _llama_cpp_version(),
@@ -223,6 +251,7 @@ def record(binary: Path, model: Path, templates: Path, only: list[str] | None = 
         "no_generation_prompt": list(NO_GENERATION_PROMPT),
         "thinking": THINKING,
         "results": results,
+        **({"replies": REPLIES, "reasoning_split": splits} if split else {}),
     }
 
 
@@ -253,11 +282,13 @@ def main() -> None:
     templates = args.templates or sdist_templates()
     for name in args.model or MODELS:
         out = data_file(name)
-        data = record(binary, model_path(name), templates, args.only, name)
+        data = record(binary, model_path(name), templates, args.only, name, split=name == MODELS[0])
         if args.only and out.exists():
             old = json.loads(out.read_text())
-            old["results"].update(data["results"])
-            data["results"] = old["results"]
+            for key in ("results", "reasoning_split"):
+                if key in data:
+                    old.setdefault(key, {}).update(data[key])
+                    data[key] = old[key]
         TEMPLATES.mkdir(exist_ok=True)
         for template in data["results"]:
             shutil.copyfile(templates / f"{template}.jinja", TEMPLATES / f"{template}.jinja")
