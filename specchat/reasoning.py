@@ -70,6 +70,8 @@ def find_markers(source: str, render: Render) -> Markers | None:
     source alone."""
     if "<|channel|>" in source:
         return Markers(*HARMONY)
+    if "<|tool_calls_section_begin|>" in source:  # Kimi K2: llama.cpp's handler for it parses <think>
+        return Markers("<think>", "</think>")
     user = {"role": "user", "content": USER_MSG}
     start = end = ""
     try:
@@ -86,7 +88,7 @@ def find_markers(source: str, render: Render) -> Markers | None:
     if not start or not end:
         # templates that drop the thought from history (the DeepSeek R1 distills) still name their markers
         for open_, close in KNOWN:
-            if close in source and (not end or end == close):
+            if open_ in source and close in source and (not end or end == close):
                 start, end = start or open_, close
                 break
     if not end:
@@ -100,6 +102,12 @@ def opens_thought(prompt: str, markers: Markers | None) -> bool:
         return False
     tail = prompt.rstrip()
     return tail.endswith(markers.start) and not tail.endswith(markers.end)
+
+
+def closes_thought(prompt: str, markers: Markers | None) -> bool:
+    """Whether a rendered prompt ends with a thought already closed (thinking off: `<think></think>`): the
+    reply is answer only, and llama.cpp's parser for it reads no thought."""
+    return markers is not None and prompt.rstrip().endswith(markers.end)
 
 
 @dataclass
@@ -128,9 +136,8 @@ class PhaseSplitter:
     begin a marker held back until the marker completes or cannot.
 
     `start_ids` / `end_ids` / `answer_ids`: each marker as token sequences (a marker may tokenize more than
-    one way); `inside`: the prompt opened the thought. A thought may close without having been seen to open
-    (a template that opens it in the prompt unrecognised): what came before the end marker was thought,
-    and `reopened` says so, for a consumer that showed it as answer."""
+    one way); `inside`: the prompt opened the thought. An end marker with no thought open is answer text, as
+    llama.cpp's parsers keep it."""
 
     def __init__(self, start_ids: Sequence[Sequence[int]], end_ids: Sequence[Sequence[int]], *,
                  inside: bool = False, answer_ids: Sequence[Sequence[int]] = ()):
@@ -138,15 +145,12 @@ class PhaseSplitter:
         self.closing = [tuple(s) for s in end_ids if s]
         self.answer_opening = [tuple(s) for s in answer_ids if s]
         self.phase: Phase = "thought" if inside else "answer"
-        self.seen_thought = inside
-        self.reopened = False
         self._held: list[tuple[int, object]] = []
 
     def _watched(self) -> list[tuple[tuple[int, ...], str]]:
         if self.phase == "thought":
             return [(s, "close") for s in self.closing]
-        return ([(s, "open") for s in self.opening] + [(s, "answer") for s in self.answer_opening]
-                + ([(s, "close") for s in self.closing] if not self.seen_thought else []))
+        return [(s, "open") for s in self.opening] + [(s, "answer") for s in self.answer_opening]
 
     def feed(self, token: int, item: object) -> list[tuple[str, object]]:
         """(phase, item) pairs that are decided now, in order."""
@@ -156,13 +160,9 @@ class PhaseSplitter:
         for seq, kind in watched:
             if ids[-len(seq):] == seq:  # a marker completed: what came before it is released first
                 cut = len(self._held) - len(seq)
-                before = "thought" if kind == "close" else self.phase  # what a closing marker ends was thought
-                out = [(before, it) for _, it in self._held[:cut]] + [("marker", it) for _, it in self._held[cut:]]
+                out = [(self.phase, it) for _, it in self._held[:cut]] + [("marker", it) for _, it in self._held[cut:]]
                 self._held = []
-                if kind == "close" and self.phase == "answer":
-                    self.reopened = True
                 self.phase = "thought" if kind == "open" else "answer"
-                self.seen_thought = True
                 return out
         keep = 0  # the longest tail that is still a prefix of some marker
         for seq, _ in watched:
@@ -238,7 +238,7 @@ def prepare(backend, prompt_text: str, options: ReasoningOptions) -> Reasoning |
     if not source:
         return None
     markers = _markers_of(source, backend.bos_text, backend.eos_text)
-    if markers is None:
+    if markers is None or closes_thought(prompt_text, markers):
         return None
     ids = marker_ids(lambda text: backend.tokenize(text, add_special=False, parse_special=True), markers)
     fmt = "deepseek" if options.format == "auto" else options.format
@@ -280,14 +280,7 @@ def split_events(events: Iterable, reasoning: Reasoning | None) -> Iterator:
             if isinstance(event, TokenEvent):
                 if event.step != step:  # the step's first token: the step counts in the phase it began in
                     step_phase, step = splitter.phase, event.step
-                was_reopened = splitter.reopened
-                pairs = splitter.feed(event.id, event)
-                yield from decided(p for p in pairs if p[0] != "marker")
-                if splitter.reopened and not was_reopened:
-                    # the thought closed without having been seen to open: what came before was thought
-                    split.reasoning_content, split.content = split.reasoning_content + split.content, ""
-                    split.thought_tokens, split.answer_tokens = split.thought_tokens + split.answer_tokens, 0
-                yield from decided(p for p in pairs if p[0] == "marker")
+                yield from decided(splitter.feed(event.id, event))
             elif isinstance(event, Finished):
                 yield from decided(splitter.flush())
                 if event.tail:

@@ -106,15 +106,10 @@ def test_a_prompt_that_opened_the_thought_starts_in_it():
     assert out == [("thought", 2), ("marker", 92), ("answer", 4)]
 
 
-def test_a_thought_that_closes_unopened_was_thought_all_along():
-    out, splitter = _phases([2, 3, 92, 4])
-    # the tokens were shown as answer as they came; the split is put right when the end marker comes
-    assert splitter.reopened and out == [("answer", 2), ("answer", 3), ("marker", 92), ("answer", 4)]
-    events = [TokenEvent(t, chr(96 + t), "target", 0) for t in (2, 3, 92, 4)]
-    finished = Finished("bc" + "d", [2, 3, 92, 4], "eog", None)
-    reasoning = Reasoning(Markers("<think>", "</think>"), {"start": [OPEN], "end": [CLOSE], "answer": []})
-    *_, last = split_events([*events, finished], reasoning)
-    assert (last.split.reasoning_content, last.split.content) == ("bc", "d")
+def test_an_end_marker_with_no_thought_open_is_answer_text():
+    # as llama.cpp's parsers keep it: "I should recall it.</think>The capital is Paris." stays content
+    out, _ = _phases([2, 3, 92, 4])
+    assert out == [("answer", 2), ("answer", 3), ("answer", 92), ("answer", 4)]
 
 
 def test_split_events_sets_phases_and_the_split_like_llama_server():
@@ -499,8 +494,8 @@ EXPECTED_MARKERS = {
     "Qwen-Qwen3-0.6B": THINK, "Qwen3.5-4B": THINK, "Qwen-QwQ-32B": THINK, "GLM-4.6": THINK, "GLM-4.7-Flash": THINK,
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": THINK, "deepseek-ai-DeepSeek-V3.1": THINK,
     "deepseek-ai-DeepSeek-V3.2": THINK, "deepseek-ai-DeepSeek-V4": THINK, "Kimi-K2-Thinking": THINK,
-    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": THINK, "openbmb-MiniCPM5-1B": THINK, "LFM2.5-Instruct": THINK,
-    "poolside-Laguna-XS-2.1": THINK, "HuggingFaceTB-SmolLM3-3B": THINK,
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": THINK, "openbmb-MiniCPM5-1B": THINK, "LFM2.5-8B-A1B": THINK,
+    "poolside-Laguna-XS-2.1": THINK, "HuggingFaceTB-SmolLM3-3B": THINK, "moonshotai-Kimi-K2": THINK,
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": Markers("<|START_THINKING|>", "<|END_THINKING|>"),
     "openai-gpt-oss-120b": Markers(*HARMONY),
     "google-gemma-4-31B-it": Markers("<|channel>thought", "<channel|>"),
@@ -509,6 +504,7 @@ EXPECTED_MARKERS = {
     # no thinking
     "meta-llama-Llama-3.3-70B-Instruct": None, "Qwen-Qwen2.5-7B-Instruct": None, "google-gemma-2-2b-it": None,
     "microsoft-Phi-3.5-mini-instruct": None, "mistralai-Mistral-Nemo-Instruct-2407": None,
+    "LFM2.5-Instruct": None,  # names </think> only to strip it from history; llama.cpp splits nothing
 }
 # templates that open the thought at the end of the prompt (thinking at its default)
 OPENS = {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "Qwen-QwQ-32B", "deepseek-ai-DeepSeek-V3.1", "GLM-4.7-Flash",
@@ -526,3 +522,50 @@ def test_markers_of_the_templates_llamacpp_ships(name):
     if markers is not None:
         prompt = render_chat(source, [{"role": "user", "content": "hi"}], bos_token="<s>", eos_token="</s>")
         assert opens_thought(prompt, markers) is (name in OPENS)
+
+
+# -- the split against llama-server's own (tests/reference: record_templates.py's reasoning_split) ---------
+
+RECORDED = json.loads((Path(__file__).resolve().parent / "reference" / "llamacpp_prompts.smollm2-135m.json")
+                      .read_text(encoding="utf-8"))
+# where specchat's split is not llama.cpp's, and why
+SPLIT_EXCEPTIONS = {
+    "Apriel-1.6-15b-Thinker-fixed": "llama.cpp's handler puts a fixed 'Here are my reasoning steps:' preamble and "
+                                    "everything after it in reasoning_content; no markers to read",
+    "llama-cpp-rwkv-world": "llama.cpp's handler ignores the <think> the template opens, and drops a leading one",
+    "GLM-4.7-Flash/tagged/off": "with thinking off the template closes the thought; llama.cpp's handler still "
+                                "reads a thought the model writes anyway (most others do not)",
+    "Spark2.5/tagged/off": "as GLM-4.7-Flash", "poolside-Laguna-S-2.1/tagged/off": "as GLM-4.7-Flash",
+    "poolside-Laguna-XS-2.1/tagged/off": "as GLM-4.7-Flash", "poolside-Laguna-XS.2/tagged/off": "as GLM-4.7-Flash",
+}
+SPLIT_CASES = [(name, key) for name, cases in sorted(RECORDED["reasoning_split"].items())
+               for key, want in cases.items() if "error" not in want]
+
+
+@pytest.mark.parametrize("name, key", SPLIT_CASES, ids=[f"{n}/{k}" for n, k in SPLIT_CASES])
+def test_the_split_equals_llamacpp_on_its_recorded_replies(name, key):
+    """A reply llama-server was made to write (SmolLM2 under a grammar), split as its `deepseek` format split
+    it; one character a token here, so that markers span several tokens as they may."""
+    if name in SPLIT_EXCEPTIONS or f"{name}/{key}" in SPLIT_EXCEPTIONS:
+        pytest.skip(SPLIT_EXCEPTIONS.get(name) or SPLIT_EXCEPTIONS[f"{name}/{key}"])
+    from specchat.reasoning import closes_thought
+
+    source = (TEMPLATES / f"{name}.jinja").read_text()
+    reply, mode = key.split("/")
+    render = lambda messages, gen, thinking: render_chat(  # noqa: E731
+        source, messages, bos_token=RECORDED["bos_token"], eos_token=RECORDED["eos_token"], add_generation_prompt=gen,
+        enable_thinking=thinking)
+    markers = find_markers(source, render)
+    prompt = render([{"role": "user", "content": "What is the capital of France?"}], True,
+                    None if mode == "default" else False)
+    text = RECORDED["replies"][reply]
+    thought, answer = "", text
+    if markers is not None and not closes_thought(prompt, markers):
+        chars = lambda s: [list(map(ord, s))] if s else []  # noqa: E731
+        reasoning = Reasoning(markers, {"start": chars(markers.start), "end": chars(markers.end),
+                                        "answer": chars(markers.answer_prefix)}, inside=opens_thought(prompt, markers))
+        events = [TokenEvent(ord(ch), ch, "target", 0) for ch in text]
+        *_, finished = split_events([*events, Finished(text, [ord(c) for c in text], "eog", None)], reasoning)
+        thought, answer = finished.split.reasoning_content, finished.split.content
+    want = RECORDED["reasoning_split"][name][key]
+    assert (thought.strip(), answer.strip()) == (want["reasoning_content"].strip(), want["content"].strip())
