@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .jinja_chat import render_chat, specialized_handler
 from .stats import RunStats
 
 Phase = Literal["thought", "answer"]
@@ -68,9 +69,10 @@ def find_markers(source: str, render: Render) -> Markers | None:
 
     `render` renders messages with the template; a template that fails on the probes is read from its
     source alone."""
-    if "<|channel|>" in source:
+    handler = specialized_handler(source)  # llama.cpp's dedicated parsers know these markers by name
+    if handler == "gpt-oss":
         return Markers(*HARMONY)
-    if "<|tool_calls_section_begin|>" in source:  # Kimi K2: llama.cpp's handler for it parses <think>
+    if handler == "kimi-k2":
         return Markers("<think>", "</think>")
     user = {"role": "user", "content": USER_MSG}
     start = end = ""
@@ -220,8 +222,6 @@ class ReasoningOptions:
 
 @functools.lru_cache(maxsize=16)
 def _markers_of(source: str, bos: str, eos: str) -> Markers | None:
-    from .jinja_chat import render_chat
-
     def render(messages, add_generation_prompt, enable_thinking):
         return render_chat(source, messages, bos_token=bos, eos_token=eos,
                            add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
