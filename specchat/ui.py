@@ -396,7 +396,8 @@ class LiveView:
         """The label and the last THOUGHT_ROWS rows of the thought as it streams."""
         width = max(1, self.console.width)
         rows = []
-        for line in self.thought.plain.split("\n"):
+        # only the end can be in view: a long thought is not wrapped again in full at every refresh
+        for line in self.thought.plain[-(THOUGHT_ROWS + 1) * width:].split("\n"):
             starts = [0, *row_starts(line, width)] if cell_len(line) > width else [0]
             rows += [line[a:b] for a, b in zip(starts, [*starts[1:], len(line)])]
         shown = Text("thinking · ", style="spec.thought.label").append(f"{self.thought_tokens} tokens", style="spec.thought")
