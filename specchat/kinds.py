@@ -13,7 +13,6 @@ call from anywhere (a test).
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,8 +134,15 @@ def register_installed() -> list[str]:
                 raise ValueError(f"drafter kind {kind.name} is already specchat's")
             added.append(register(kind).name)
         except Exception as e:  # (any failure of someone else's code)
-            print(f"specchat: warning: drafter plugin {point.name} ({point.value}) left out: {e}", file=sys.stderr)
+            _warn(f"specchat: warning: drafter plugin {point.name} ({point.value}) left out: {e}")
     return added
+
+
+def _warn(line: str) -> None:
+    """One line on stderr, as the CLI writes its messages (no markup: a plugin's error may hold brackets)."""
+    from rich.console import Console  # (only on this rare path: kinds.py is read before any console exists)
+
+    Console(stderr=True, soft_wrap=True, highlight=False).print(line, markup=False)
 
 
 def by_name(name: str) -> DrafterKind | None:
