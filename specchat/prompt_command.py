@@ -18,7 +18,7 @@ from .engine import Finished, TokenEvent, check_fits, generate
 from .loader import Loaded
 from .runner import RunOptions, check_text, loading, measuring, read_prompt, run_options
 from .reasoning import budget_for, prepare as prepare_reasoning, split_events
-from .template import has_template, render, render_text
+from .template import has_template, render
 
 
 @opt.run_args()
@@ -52,7 +52,7 @@ def prompt_command(
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             rendered = render(loaded.target, messages)
             prompt_ids, stops = rendered.token_ids, rendered.stop + run.stop
-            reasoning = prepare_reasoning(loaded.target, render_text(loaded.target, messages), run.reasoning)
+            reasoning = prepare_reasoning(loaded.target, rendered.text, run.reasoning)
         check_fits(prompt_ids, loaded.target.n_ctx)  # before the view starts
         with measuring(err) as notify:
             policy = run.policy(loaded, notify=notify)

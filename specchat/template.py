@@ -56,6 +56,7 @@ class Rendered:
     token_ids: list[int]
     stop: list[str]  # stop strings that go with this format
     templated: bool  # False = the fallback transcript format
+    text: str = ""  # the prompt as text (a reasoning model's markers are read from its end)
 
 
 # -- the user's choice: flags and models.toml --------------------------------------------------------------
@@ -224,4 +225,4 @@ def tokenize_rendered(backend: Backend, text: str) -> list[int]:
 def render(backend: Backend, messages: Sequence[dict], add_generation_prompt: bool = True) -> Rendered:
     text = render_text(backend, messages, add_generation_prompt)
     templated = has_template(backend)
-    return Rendered(tokenize_rendered(backend, text), [] if templated else list(FALLBACK_STOP), templated)
+    return Rendered(tokenize_rendered(backend, text), [] if templated else list(FALLBACK_STOP), templated, text)
