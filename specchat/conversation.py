@@ -196,22 +196,20 @@ class Turn:
         conv = self.conversation
         reasoning = prepare_reasoning(conv.target, self.prepared.text, conv.reasoning) if conv.templated else None
         if reasoning is not None and reasoning.format != "none":
-            self.split = Split()
+            self.split = Split()  # filled as the reply comes: a turn stopped early keeps its thought
         budget = budget_for(reasoning, conv.reasoning, conv.target)
         events = split_events(
             generate(conv.target, conv.drafter, self.prepared.ids, conv.params, max_tokens=self.max_tokens,
-                     stop=conv.stops + conv.extra_stop, policy=conv.policy, rng=conv.rng, budget=budget), reasoning)
+                     stop=conv.stops + conv.extra_stop, policy=conv.policy, rng=conv.rng, budget=budget),
+            reasoning, self.split)
         try:
             for event in events:
                 if isinstance(event, TokenEvent):
                     self.token_ids.append(event.id)
                     self.pieces.append(event.text)
-                    if self.split is not None and event.phase in ("thought", "answer"):
-                        self.split.add(event.phase, event.text)
                 elif isinstance(event, StepEvent):
                     self.stats = event.totals
                 elif isinstance(event, Finished):
-                    self.split = event.split
                     self._record(event.text, event.token_ids, event.finish_reason, event.stats)
                 yield event
         except (GeneratorExit, KeyboardInterrupt):

@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .engine import Finished, StepEvent, TokenEvent
 from .jinja_chat import render_chat, specialized_handler
 from .stats import RunStats
+from .template import chat_format
 
 Phase = Literal["thought", "answer"]
 FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")  # --reasoning-format, as llama.cpp names them
@@ -232,8 +234,6 @@ def _markers_of(source: str, bos: str, eos: str) -> Markers | None:
 def prepare(backend, prompt_text: str, options: ReasoningOptions) -> Reasoning | None:
     """How to split this run's reply: None for a model whose template has no thinking markers (or a
     conversation without a template)."""
-    from .template import chat_format
-
     source = chat_format(backend).source
     if not source:
         return None
@@ -245,17 +245,16 @@ def prepare(backend, prompt_text: str, options: ReasoningOptions) -> Reasoning |
     return Reasoning(markers, ids, inside=opens_thought(prompt_text, markers), format=fmt)
 
 
-def split_events(events: Iterable, reasoning: Reasoning | None) -> Iterator:
+def split_events(events: Iterable, reasoning: Reasoning | None, split: Split | None = None) -> Iterator:
     """The engine's events with each TokenEvent's `phase` set ("thought", "answer", or "marker" with its text
-    left out), and Finished carrying the `Split`. Unchanged where `reasoning` is None or its format is
-    `none`. Order is kept; a token that may begin a marker comes out with the ones after it."""
-    from .engine import Finished, StepEvent, TokenEvent  # engine imports nothing of this module: no cycle
-
+    left out), and Finished carrying the `Split` (built in `split` when given: a consumer stopped early still
+    has the reply so far). Unchanged where `reasoning` is None or its format is `none`. Order is kept; a token
+    that may begin a marker comes out with the ones after it."""
     if reasoning is None or reasoning.format == "none":
         yield from events
         return
     splitter = reasoning.splitter()
-    split = Split()
+    split = split if split is not None else Split()
     legacy = reasoning.format == "deepseek-legacy"  # the split is made, the text left whole
 
     def decided(pairs):
