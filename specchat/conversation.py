@@ -200,7 +200,8 @@ class Turn:
         budget = budget_for(reasoning, conv.reasoning, conv.target)
         events = split_events(
             generate(conv.target, conv.drafter, self.prepared.ids, conv.params, max_tokens=self.max_tokens,
-                     stop=conv.stops + conv.extra_stop, policy=conv.policy, rng=conv.rng, budget=budget),
+                     stop=conv.stops + conv.extra_stop, policy=conv.policy, rng=conv.rng, budget=budget,
+                     phases=reasoning.splitter() if reasoning is not None else None),
             reasoning, self.split)
         try:
             for event in events:

@@ -138,6 +138,16 @@ class Labelled(Protocol):
     def run_label(self, params: SamplingParams) -> str:
         """A few words for the live view and the report's drafter line."""
 
+
+@runtime_checkable
+class Estimating(Protocol):
+    """A drafter whose estimates of its own acceptance can be set aside and taken up again: the policy keeps
+    one set per phase of a reasoning model's reply, since a thought and the answer that copies it draft
+    differently."""
+
+    def estimates(self) -> dict[str, Any]:
+        """Its live estimates (each with as_dict / absorb), by name."""
+
     def run_info(self, params: SamplingParams) -> dict[str, Any]:
         """Keys to add to --json's object and report.json."""
 
@@ -258,7 +268,7 @@ class Acceptance:
         return True
 
 
-class ModelDrafting:
+class ModelDrafting(Estimating):
     """What every drafter that runs a model shares (a draft model, a head, a draft with another tokenizer):
     one acceptance estimate per draft position, learned from its verified drafts and kept across
     processes. It gets an optimistic prior so it is tried; its misses then teach it."""
@@ -280,6 +290,9 @@ class ModelDrafting:
         pass
 
     def carried(self) -> dict[str, Any]:
+        return self.estimates()
+
+    def estimates(self) -> dict[str, Any]:
         return {"model": self.acceptance}
 
 

@@ -30,7 +30,7 @@ from .sampling import (
 from .stats import RunStats, StepStats
 
 if TYPE_CHECKING:
-    from .reasoning import Budget, Split
+    from .reasoning import Budget, PhaseSplitter, Split
 
 MAX_TOKENS = 256  # most tokens one generation emits unless told (-n)
 
@@ -96,12 +96,14 @@ def generate(
     policy: Policy | None = None,
     rng: np.random.Generator | None = None,
     budget: Budget | None = None,
+    phases: PhaseSplitter | None = None,
 ) -> Iterator[Event]:
     """Yield TokenEvent and StepEvent as generation goes, then one Finished.
 
     The target's output distribution is exactly what plain sampling from it would give (see
     sampling.verify); the drafter and policy only change how many target evaluations it takes.
     `budget` (--reasoning-budget) constrains that distribution: where it forces a token, p is one-hot on it.
+    `phases` follows a reasoning model's reply (thought or answer) for the policy, which learns each apart.
     """
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
@@ -135,9 +137,18 @@ def generate(
                 rest = budget.forced_rest()[: max(0, limit)]
                 draft = Draft(rest, [None] * len(rest))
             elif drafter is not None:
+                if phases is not None:
+                    policy.enter(phases.phase)
                 draft = policy.draft(drafter, reply.context, max(0, limit), params, rng)
             else:
                 draft = Draft()
+            own = 0 if forcing else len(draft.tokens)  # the drafter's tokens among those sent
+            if not forcing and budget is not None and draft.tokens:  # the budget constrains q as it does p
+                own, tail = budget.constrain(draft.tokens, max(0, limit))
+                if tail or own < len(draft.tokens):
+                    head = draft.head(own)
+                    head.tokens, head.q = head.tokens + tail, head.q + [None] * len(tail)
+                    draft = head
             drafts = draft.tokens
             t1 = time.perf_counter()
             forced = budget.lookahead(drafts) if budget is not None else None
@@ -145,21 +156,24 @@ def generate(
             t2 = time.perf_counter()
             n_before = len(reply.generated)
             decided = verified.tokens(drafts)
-            if forcing:
-                decided = [(token, "target") for token, _ in decided]
-            if budget is None:
+            if own < len(drafts):  # forced tokens are the budget's: shown as the target's own
+                decided = [(token, source if i < own else "target") for i, (token, source) in enumerate(decided)]
+            if budget is None and phases is None:
                 yield from reply.emit(decided, stats.steps)
             else:
                 for event in reply.emit(decided, stats.steps):
-                    budget.accept(event.id)  # the budget's state follows every emitted token
+                    if budget is not None:
+                        budget.accept(event.id)  # the budget's state follows every emitted token
+                    if phases is not None:
+                        phases.feed(event.id, None)
                     yield event
             emitted = reply.generated[n_before:]
-            drafted = 0 if forcing else len(drafts)  # forced tokens are the budget's, not a drafter's
+            drafted = own  # forced tokens are the budget's, not a drafter's
             # a token that ended generation inside the step still counts as accepted, not as emitted
             step = StepStats(
                 step=stats.steps,
                 drafted=drafted,
-                accepted=verified.accepted if drafted else 0,
+                accepted=min(verified.accepted, drafted),
                 emitted=len(emitted),
                 decided=len(emitted) + (reply.finish == "eog"),
                 draft_seconds=t1 - t0,

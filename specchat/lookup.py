@@ -12,7 +12,7 @@ import numpy as np
 
 from . import kinds
 from .backend import common_prefix
-from .drafters import FREE, Draft, Forwards, Offer
+from .drafters import FREE, Draft, Estimating, Forwards, Offer
 from .sampling import SamplingParams
 
 # A lookup draft must promise this much more than plain decoding: its first token's odds are bimodal (a span
@@ -122,6 +122,25 @@ class LookupAcceptance:
         for i in range(min(tried, accepted + 1)):
             self.add(match + i, i < accepted, history)
 
+    def as_dict(self) -> dict:
+        return {"hits": self.hits.round(4).tolist(), "tries": self.tries.round(4).tolist()}
+
+    def absorb(self, saved: dict, trust: float) -> bool:
+        """Take up counts set aside earlier, each bucket discounted to at most `trust` observations (inf:
+        exactly as they were); the next token starts a fresh match (the span followed before is another
+        phase's). False (and nothing changed) for anything malformed."""
+        try:
+            hits = np.asarray(saved["hits"], dtype=np.float64)
+            tries = np.asarray(saved["tries"], dtype=np.float64)
+        except (KeyError, TypeError, ValueError):
+            return False
+        if hits.shape != self.hits.shape or tries.shape != self.tries.shape or (hits > tries + 1e-6).any():
+            return False
+        scale = np.where(tries > trust, trust / np.maximum(tries, 1e-12), 1.0)
+        self.hits, self.tries = hits * scale, tries * scale
+        self.after_miss, self.agreement = True, self.SINGLE
+        self._refresh()
+        return True
 
 
 @dataclass
@@ -365,7 +384,7 @@ class NgramHistory:
         return follow, match
 
 
-class PromptLookup:
+class PromptLookup(Estimating):
     """Prompt lookup decoding (Saxena 2023; llama.cpp's ngram-simple): find the latest earlier occurrence
     of the longest suffix of the context (up to max_ngram tokens, at least min_ngram) and propose what
     followed it. A match close to the end of the context is a loop, and its continuation runs on around
@@ -515,3 +534,6 @@ class PromptLookup:
 
     def carried(self) -> dict:
         return {}
+
+    def estimates(self) -> dict:
+        return {"lookup": self.acceptance}

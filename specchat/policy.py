@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from .costs import CostModel, write_atomic
-from .drafters import Draft, Drafter, Forwards, Suspendable, is_free, members
+from .drafters import Draft, Drafter, Estimating, Forwards, Suspendable, is_free, members
 from .sampling import SamplingParams
 from .stats import StepStats
 
@@ -48,6 +48,9 @@ PROBE_SHARE = 0.03
 # ready, a hopeless DFlash draft for another target cost 8-11% of a tiny target's time (its features
 # captured on every verify, each probe injecting every token since the last). A new process probes again.
 PROBE_GIVE_UP = 3
+# observations per position that a phase entered for the first time takes over from the phase before it:
+# the answer starts from what the thought taught, as a prior its own evidence soon outweighs
+PHASE_TRUST = 2.0
 
 
 @runtime_checkable
@@ -63,6 +66,10 @@ class Policy(Protocol):
 
     def observe(self, step: StepStats, emitted: Sequence[int]) -> None:
         """The step's outcome: what was sent and accepted, and the tokens emitted."""
+
+    def enter(self, phase: str) -> None:
+        """The reply is in this phase now ("thought" or "answer" of a reasoning model's reply): estimates
+        learned in one phase are kept apart from the other's."""
 
     def finish(self) -> None:
         """A generation ended: keep what was learned (the adaptive policy saves its estimates)."""
@@ -95,6 +102,9 @@ class FixedPolicy:
         return Draft(planned=k)
 
     def observe(self, step: StepStats, emitted: Sequence[int]) -> None:
+        pass
+
+    def enter(self, phase: str) -> None:
         pass
 
     def finish(self) -> None:
@@ -190,6 +200,8 @@ class Member:
     failed_probes: int = 0  # drafts after idle steps that kept nothing, in a row (see PROBE_GIVE_UP)
     given_up: bool = False
     proposed: bool = False  # whether it proposed anything this generation (free drafters)
+    # the drafter's estimates as each phase of a reply left them, by phase (see AdaptivePolicy.enter)
+    phases: dict[str, dict[str, dict]] = field(default_factory=dict, repr=False)
     # proposals that cost no model time: made every step, priced after (see Drafter.forwards)
     free: bool = field(init=False)
     # the forwards of a draft of 0..n tokens, by n (what the drafter reports depends on n alone), and the
@@ -261,6 +273,7 @@ class AdaptivePolicy:
         # this step's proposals, by member, and the member whose draft was sent
         self._proposals: dict[int, Draft] = {}
         self._chosen: Member | None = None
+        self.phase = "answer"  # the reply's phase the drafters' live estimates belong to
         for member in self.members:
             self._judge(member)
             carried = member.drafter.carried()
@@ -381,6 +394,26 @@ class AdaptivePolicy:
                 member.learn_cost(step.drafted, step.draft_seconds, self._proposals.get(id(member)))
                 self._judge(member)
         self._proposals = {}
+
+    def enter(self, phase: str) -> None:
+        """Each drafter's estimates are set aside for the phase left and those of the phase entered taken up
+        again (a first entry starts from the phase before it, discounted to PHASE_TRUST observations). A
+        thought and its answer draft differently: an answer that restates its thought is lookup's best case,
+        the thought itself may copy nothing, and one set of estimates would average the two."""
+        if phase == self.phase:
+            return
+        for member in self.members:
+            if not isinstance(member.drafter, Estimating):
+                continue
+            live = member.drafter.estimates()
+            member.phases[self.phase] = {name: estimate.as_dict() for name, estimate in live.items()}
+            saved = member.phases.get(phase)
+            for name, estimate in live.items():
+                if saved is not None and name in saved:
+                    estimate.absorb(saved[name], float("inf"))
+                else:
+                    estimate.absorb(estimate.as_dict(), PHASE_TRUST)
+        self.phase = phase
 
     # --- memory across runs
 

@@ -59,6 +59,7 @@ def prompt_command(
         events = split_events(generate(
             loaded.target, loaded.drafter, prompt_ids, run.for_target(loaded.target), max_tokens=run.max_tokens, stop=stops,
             policy=policy, budget=budget_for(reasoning, run.reasoning, loaded.target),
+            phases=reasoning.splitter() if reasoning is not None else None,
         ), reasoning)
         note = lambda: policy.last_note  # noqa: E731  why nothing was drafted, if so
         if as_json:

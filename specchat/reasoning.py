@@ -351,6 +351,20 @@ class Budget:
             out.append(probe.forced())
         return out
 
+    def constrain(self, drafts: Sequence[int], limit: int) -> tuple[int, list[int]]:
+        """A drafter's proposal under the budget, as its q would be if the drafter knew the budget: (how many
+        of `drafts` stand, the forced tokens that take the place of the rest). Up to the first position where
+        the budget forces a token the draft did not propose, the draft stands; from there the forced tokens
+        (one-hot, so q = None) replace it, `limit` tokens in all. The state itself is left as it is."""
+        probe = copy.copy(self)
+        probe.recent = list(self.recent)
+        for i, token in enumerate(drafts):
+            forced = probe.forced()
+            if forced is not None and forced != token:
+                return i, probe.forced_rest()[: max(0, limit - i)]
+            probe.accept(token)
+        return len(drafts), []
+
     def forced_rest(self) -> list[int]:
         """The forced tokens still to come (empty unless FORCING)."""
         return self.forced_ids[self.force_pos:] if self.state == self.FORCING else []

@@ -460,6 +460,9 @@ class Alternating:
     def observe(self, step, emitted):
         pass
 
+    def enter(self, phase):
+        pass
+
     def finish(self):
         pass
 

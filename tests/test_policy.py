@@ -18,8 +18,8 @@ from specchat.costs import (
     cost_cache_key,
 )
 from specchat.lookup import LOOKUP_BUCKETS, LOOKUP_MARGIN, PromptLookup
-from specchat.policy import (DRAFT_MARGIN, PROBE_AFTER, PROBE_GIVE_UP, PROBE_TOKENS, AdaptivePolicy, FixedPolicy,
-                             best_length)
+from specchat.policy import (DRAFT_MARGIN, PHASE_TRUST, PROBE_AFTER, PROBE_GIVE_UP, PROBE_TOKENS, AdaptivePolicy,
+                             FixedPolicy, best_length)
 from specchat.sampling import SamplingParams
 from specchat.stats import StepStats
 
@@ -144,6 +144,48 @@ def test_a_lookup_draft_must_promise_more_than_a_model_draft():
         for state in history:
             state[:] = [0.99] * len(state)
     assert sent(policy, lookup, found(range(16), 8)) > 0
+
+
+def test_each_phase_of_a_reply_learns_its_own_estimates():
+    """An answer whose drafts are never kept and a thought whose drafts all are: coming back to a phase, the
+    drafter drafts from that phase's record, not from an average of the two; a phase entered for the first
+    time starts from the one before it, discounted to PHASE_TRUST observations a position."""
+    policy, drafter = modelled(GPU, CostModel([1, 2], [0.002, 0.004]))
+    assert policy.phase == "answer"
+    for _ in range(30):
+        drafter.acceptance.record(0, 4)
+    answer = drafter.acceptance.rates(4)
+    policy.enter("thought")
+    assert drafter.acceptance.tries.max() == pytest.approx(PHASE_TRUST)
+    assert drafter.acceptance.hits.max() < 0.01  # the answer's record, as a prior
+    for _ in range(30):
+        drafter.acceptance.record(4, 4)
+    thought = drafter.acceptance.rates(4)
+    assert answer[0] < 0.2 and thought[0] > 0.9
+    policy.enter("answer")
+    assert drafter.acceptance.rates(4) == pytest.approx(answer, abs=1e-3)
+    assert sent(policy, drafter, limit=8) == 0
+    policy.enter("thought")
+    assert drafter.acceptance.rates(4) == pytest.approx(thought, abs=1e-3)
+    assert sent(policy, drafter, limit=8) > 0
+
+
+def test_lookup_learns_each_phase_apart():
+    lookup = SetLookup()
+    policy = AdaptivePolicy(lookup, CPU, draft_max=16)
+    for _ in range(40):  # matches in the answer that never go on as before
+        lookup.acceptance.record(8, 0, 4)
+    missing = lookup.acceptance.as_dict()
+    policy.enter("thought")
+    for _ in range(40):  # copied spans of the thought, every token right
+        lookup.acceptance.record(8, 4, 4)
+    copying = lookup.acceptance.as_dict()
+    assert lookup.acceptance.rates(8, 2) == pytest.approx([0.99, 0.99], abs=0.01)  # inside a span
+    policy.enter("answer")
+    assert lookup.acceptance.as_dict() == missing != copying
+    assert lookup.acceptance.rates(8, 1)[0] < 0.1  # after a miss
+    policy.enter("thought")
+    assert lookup.acceptance.as_dict() == copying
 
 
 def test_draft_model_as_costly_as_the_target_is_never_used():

@@ -12,9 +12,10 @@ import pytest
 
 from fakes import (
     ALPHA, FakeBackend, chi2_pvalue, detection_power, first_two_emitted, make_draft_model, markov_logits,
+    script_logits,
 )
 from specchat import engine
-from specchat.engine import Finished, TokenEvent, generate
+from specchat.engine import Finished, StepEvent, TokenEvent, generate
 from specchat.jinja_chat import render_chat
 from specchat.policy import FixedPolicy
 from specchat.reasoning import (
@@ -275,6 +276,46 @@ def test_a_greedy_budget_forces_the_end_and_the_cache_follows():
     assert [t for t, _ in tokens] == [1, 1, 0, THINK_END, THINK_END, THINK_END]
     assert budget.forced_count == 2 and events[-1].stats.emitted == 6
     assert target.tokens == [0, 1, 1, 1, 1, 0, THINK_END, THINK_END, THINK_END][:-1]
+
+
+def test_a_draft_that_runs_into_the_forced_end_carries_it_in_the_same_step():
+    """The budget constrains q as it constrains p: where a draft reaches a forced position, the forced tokens
+    take the place of the rest of it and are kept in that same step, shown as the target's; the drafter is
+    credited with its own tokens only."""
+    target = FakeBackend(markov_logits(np.eye(V) * 5.0), V)
+    drafter, _ = make_draft_model(markov_logits(np.eye(V) * 5.0), V)
+    budget = Budget([[9]], [[THINK_END]], [0, THINK_END], 2, inside=True)
+    events = list(generate(target, drafter, [0, 1, 1], SamplingParams(temperature=0.0), max_tokens=6,
+                           policy=FixedPolicy(4), budget=budget))
+    first = [e for e in events if isinstance(e, StepEvent)][0].stats
+    tokens = [(e.id, e.source, e.step) for e in events if isinstance(e, TokenEvent)]
+    assert tokens[:5] == [(1, "accepted", 0), (1, "accepted", 0), (0, "target", 0), (THINK_END, "target", 0),
+                          (THINK_END, "target", 0)]
+    assert (first.drafted, first.accepted, first.emitted) == (2, 2, 5)
+    assert budget.constrain([1, 1, 1], 3) == (3, [])  # nothing forced: the draft stands
+
+
+class PhaseRecorder(FixedPolicy):
+    def __init__(self, k):
+        super().__init__(k)
+        self.phases: list[str] = []
+
+    def enter(self, phase):
+        self.phases.append(phase)
+
+
+def test_the_policy_is_told_the_phase_before_each_draft():
+    """The engine follows the reply with a PhaseSplitter and tells the policy where each step drafts from:
+    after the start marker the thought, after the end marker the answer (a marker counts once it completes)."""
+    reply = [5, 2, 6, 6, THINK_END, 7, 7, 7]
+    target = FakeBackend(script_logits(9, 3, reply), 9)
+    drafter, _ = make_draft_model(script_logits(9, 3, reply), 9)
+    policy = PhaseRecorder(1)
+    events = list(generate(target, drafter, PROMPT, SamplingParams(temperature=0.0), max_tokens=len(reply),
+                           policy=policy, phases=PhaseSplitter([[2]], [[THINK_END]])))
+    assert [e.id for e in events if isinstance(e, TokenEvent)] == reply
+    # steps of two tokens (one draft, accepted, and the bonus): they begin after 0, 2, 4 and 6 tokens
+    assert policy.phases == ["answer", "thought", "thought", "answer"]
 
 
 # -- the chat and the views with a thinking model (fakes) ---------------------------------------------------

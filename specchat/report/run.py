@@ -131,6 +131,7 @@ def run_report(
                 events = split_events(generate(
                     target, None if setting.is_baseline else drafter, prompt_ids, params,
                     max_tokens=max_tokens, stop=stops, policy=policy_for(setting), budget=budget(),
+                    phases=reasoning.splitter() if reasoning is not None else None,
                 ), reasoning)
                 try:
                     record = record_from_events(
