@@ -174,11 +174,8 @@ def flash_attn_for(path: Path, flash_attn: str, n_ctx: int, n_batch: int, cpu_al
 
     llama.cpp's CPU flash-attention kernel reads the whole KV cache once per query row, where the plain
     path's matrix product reads it once per batch, so a verify batch costs more with it the longer the
-    conversation. 2 cores, 1800 tokens of context, medians of 8: SmolLM2-135M verified 8 tokens in 110-125 ms
-    with it and 54-69 ms without, one token in 19-20 ms and 14-16.5; Qwen2.5-Coder-1.5B 5-16% less without;
-    gemma-3-270m (most layers attend over a 512-token window) the same either way; at 100-200 tokens of
-    context all three about the same, prompt processing too (benchmarks/flash_attn.py). The plain path holds the scores of a whole batch
-    against the whole context (n_ctx x n_batch x heads floats): where that passes SCORES_MAX, auto stays on.
+    conversation (at a shallow context the two cost about the same; docs/decisions.md, "Flash attention on
+    a CPU"). The plain path holds the scores of a whole batch against the whole context (n_ctx x n_batch x heads floats): where that passes SCORES_MAX, auto stays on.
     `cpu_alone`: no layer offloaded, to a GPU here or an RPC worker (see cpu_alone)."""
     if flash_attn != "auto" or not cpu_alone:
         return flash_attn
@@ -205,14 +202,13 @@ def outputs_to_reserve(path: Path, outputs: int, n_ctx: int, n_batch: int, swa_f
     `outputs` its largest verify batch asks for, or 1 where that reservation does not pay.
 
     llama.cpp sizes its output buffer to the largest batch's outputs so far, reallocating it at each
-    growth, and every reallocation is fresh memory the next decode faults in: gemma-3-270m's rows are 1 MiB
-    each (262k vocabulary), and a first reply whose drafts grew 8 -> 16 -> 40 -> 48 -> 64 took 29-51
-    thousand page faults where one reservation takes 13-18 thousand, 1.055x faster (medians of 6 fresh
-    processes, benchmarks/output_reserve.py). The reservation is made through `n_seq_max`, which also
+    growth, and every reallocation is fresh memory the next decode faults in: a 262k vocabulary's rows are
+    1 MiB each, and a first reply whose drafts grow takes about twice the page faults of one reservation
+    (docs/decisions.md, "Reserving the output rows"). The reservation is made through `n_seq_max`, which also
     sizes two other things: a recurrent model's states (one per sequence, so never there), and a
     sliding-window cache (n_swa x n_seq_max + n_batch cells, up to n_ctx). That growth, counting every
-    layer as windowed, may cost no more memory than the rows themselves (gemma-3-270m at -c 4096: 57 MB
-    for 68 MB of rows; gemma-3-27B would take 1.3 GB, and is left to reallocate)."""
+    layer as windowed, may cost no more memory than the rows themselves: where it would cost more, the
+    buffer is left to reallocate."""
     outputs = min(outputs, n_batch, LLAMA_MAX_SEQ)  # a verify batch fits one decode; llama.cpp's limit
     if outputs <= 1:
         return 1
@@ -490,7 +486,7 @@ class LlamaCppBackend:
 
         The view is left writeable: numpy copies a read-only array before an argmax (its contiguous-input
         request includes WRITEABLE), 1 MB per row at a 262k vocabulary, and the first copy of a larger
-        batch lands on fresh pages that can stall for 100-250 ms. The fake backend lends writeable rows
+        batch lands on fresh pages, which can stall a step several times over. The fake backend lends writeable rows
         too and checks at its next eval that none was written, so the tests still catch a caller that
         writes into one."""
         m = len(logits_at)
@@ -604,8 +600,7 @@ class LlamaCppBackend:
     def _warm_up(self) -> MemoryKind:
         """One decode of one token, then an empty cache, as llama.cpp's tools do before their first request
         (common_init's warm-up): a process's first one-token decodes pay for building that graph and for
-        first touches of the weights, up to 14 ms over the first two tokens on gemma-3-270m with two CPU
-        cores, which would otherwise land on the first reply. The model's memory kind is read while that
+        first touches of the weights, which would otherwise land on the first reply. The model's memory kind is read while that
         token is held (a recurrent state's size is measured after one token)."""
         self.eval([max(0, self.vocab.bos)], [0])
         memory = self._memory_kind()

@@ -65,7 +65,8 @@ def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False, o
 
     `Llama(...)` offers flash attention only on and off, defaulting to off; llama.cpp (llama-cli,
     llama-server, llama-bench) defaults to auto, which turns it on where every layer's device supports it.
-    Off costs ~9% of decode speed on CPU (gemma-3-270m, 2 threads). `n_rs_seq` (recurrent-state snapshots
+    Off costs decode speed on a CPU too at a shallow context (docs/decisions.md, "Flash attention on a
+    CPU"). `n_rs_seq` (recurrent-state snapshots
     per sequence, see memory.MemoryKind), `n_seq_max` and `load_mtp` have no keyword at all. This wraps
     the two classes that receive the params (`llama_cpp._internals.LlamaContext` / `LlamaModel`) for the
     duration of the load."""

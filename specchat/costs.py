@@ -3,8 +3,8 @@ cached in the cache dir), then followed online by what the steps really take. Th
 draft with these (policy.py); --reproducible uses fixed reference costs instead.
 
 The calibration is a prior, not the last word: it is a few timings at one moment, and taken while the
-machine was busy it reads high for good (SmolLM2-135M: one token 15.9 ms and 8 tokens 73 ms busy, 10.1
-and 30 quiet; every later chat ran ~15% slower). Every verify a run times is kept per batch size (the
+machine was busy it reads high for good, and every later run drafts too little (docs/decisions.md,
+"Calibration is a prior"). Every verify a run times is kept per batch size (the
 latest OBSERVED_WINDOW of them, saved back into the cache file when a generation ends: CostModel.save),
 and the next process's costs combine the calibration with them (see combine); a calibration the
 observations contradict is measured again at the next load (see verdict, STALE_RATIO)."""
@@ -27,7 +27,7 @@ from .backend import Backend
 
 # Batch sizes timed at calibration, and the only sizes the adaptive policy sends (see CostModel.measured):
 # on a CPU llama.cpp's matrix kernels work on tiles of rows, so a batch of 16 can cost less than one of
-# 15 or 17 (gemma-3-270m, 2 threads: 8 tokens 38 ms, 7 tokens 57 ms; 16 tokens 56 ms, 17 tokens 69 ms).
+# 15 or 17 (docs/decisions.md, "Batch sizes on a CPU").
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 # The sizes up to this one are always timed; bigger ones only within CALIBRATION_BUDGET seconds, so the
 # first run on a slow machine measures for a few seconds, not a minute (see CostModel.measure).
@@ -66,8 +66,7 @@ class CostModel:
     that follows what the machine is doing now (other load, a growing context), learned from one-token
     steps, and for batches of 2 or more a second factor learned from the batches actually sent: a
     calibration is a few timings at one moment of a noisy machine, and if its batches came out cheap
-    relative to one token (25.8 ms for 8 on SmolLM2-135M, against 28-29 ms in the loop later) every
-    marginal draft looks like a gain.
+    relative to one token every marginal draft looks like a gain.
 
     `measured`: the costs are known only at `sizes` (a calibration), and a size in between may cost far
     more than the line between its neighbours (see CALIBRATION_SIZES), so `best_length` sends only

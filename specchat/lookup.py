@@ -397,8 +397,8 @@ class PromptLookup(Estimating):
     match: see LookupAcceptance), so a 24-token match predicts a long accepted run and a 1-token match
     almost none. Proposals not sent are checked against what the target emits next: free evidence. The
     estimates belong to one conversation: carried over to other prompts at any weight, they were slower
-    than starting empty (1.16x of llama.cpp at 2 observations a bucket, 1.17x at 0.5, 1.18x empty; one
-    prompt 0.95x -> 0.86x; benchmarks/lookup_replay.py), so nothing is carried across processes."""
+    than starting empty (docs/decisions.md, "Lookup keeps nothing across processes"), so nothing is
+    carried across processes; within a reply, the policy keeps them per phase (a thought, its answer)."""
 
     kind = kinds.PROMPT_LOOKUP
     backend = None  # nothing to evaluate: proposals cost no model time

@@ -37,16 +37,16 @@ DRAFT_MARGIN = 1.04
 DRAFT_MAX = 64  # --draft-max's default: the policy decides below it; long lookup matches use it
 # A drafter whose tokens cost time and that has not drafted for this many steps gets one short draft
 # anyway (PROBE_TOKENS, priced as any draft in the stats): an estimate that rules a drafter out is never
-# corrected otherwise (an MTP head measured at 94-100% acceptance was asked in 0 of 96 steps). A probe
-# whose expected loss (its cost less the steps its expected kept tokens save) is more than PROBE_SHARE of
-# the idle steps' time (a recurrent target's 200 ms checkpoints against 20 ms steps) waits that much longer.
+# corrected otherwise (docs/decisions.md, "Probes"). A probe whose expected loss (its cost less the steps
+# its expected kept tokens save) is more than PROBE_SHARE of the idle steps' time (a recurrent target whose
+# checkpoints cost several steps) waits that much longer.
 PROBE_AFTER = 32
 PROBE_TOKENS = 2
 PROBE_SHARE = 0.03
 # A drafter whose probes kept nothing this many times in a row is given up for the process: suspended (a
-# block drafter or a head no longer has the target extract its layer rows) and never caught up again. Kept
-# ready, a hopeless DFlash draft for another target cost 8-11% of a tiny target's time (its features
-# captured on every verify, each probe injecting every token since the last). A new process probes again.
+# block drafter or a head no longer has the target extract its layer rows) and never caught up again: kept
+# ready, a hopeless block drafter costs a tiny target a tenth of its time (its features captured on every
+# verify, each probe injecting every token since the last). A new process probes again.
 PROBE_GIVE_UP = 3
 # observations per position that a phase entered for the first time takes over from the phase before it:
 # the answer starts from what the thought taught, as a prior its own evidence soon outweighs
@@ -266,9 +266,8 @@ class AdaptivePolicy:
         self.rollback = 0.0
         self._last_observed: float | None = None
         # The largest batch evaluated so far. A batch larger than any before it grows llama.cpp's output
-        # and compute buffers, and the first touch of that memory is paid inside the decode: gemma-3-270m's
-        # first 64-token batch of a process took 311 ms, the next ones 170 ms (16 tokens: 99 ms, then 57).
-        # Learnt from, that one-off made every later batch look 16% dearer, and the next drafts shorter.
+        # and compute buffers, and the first touch of that memory is paid inside the decode (nearly twice the
+        # batch's cost): learnt from, that one-off makes every later batch look dearer, and the drafts shorter.
         self._largest_batch = 1
         # this step's proposals, by member, and the member whose draft was sent
         self._proposals: dict[int, Draft] = {}
@@ -320,8 +319,8 @@ class AdaptivePolicy:
         if cost <= budget:
             return True
         # what it is expected to lose: its cost less the steps its tokens save, by the member's own estimates.
-        # A drafter just below paying (a DSpark draft at 79% whose block costs a step) probes about twice as
-        # often as one that keeps nothing, and its estimates climb past the bar in half the tokens.
+        # A drafter just below paying probes more often than one that keeps nothing, so its estimates climb
+        # past the bar sooner.
         kept, run = 0.0, 1.0
         for rate in member.drafter.offer(None, n).rates[:n]:
             run *= rate

@@ -39,7 +39,7 @@ def _plain(value):
 
 
 # A draft position's acceptance counts in the projection only when at least this many steps drafted that
-# far: a position seen once or twice is 0% or 100% by chance (`report --limit 3` projected k = 11 from them).
+# far: a position seen once or twice is 0% or 100% by chance, and a projection from it sends absurd drafts.
 MIN_POSITION_SAMPLES = 10
 
 
