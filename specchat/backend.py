@@ -325,7 +325,11 @@ class LlamaCppBackend:
         # how an MTP head sees the target's hidden states (see capture_hidden)
         self.hidden_sink = None
         self._capture_layers: tuple[int, ...] = ()
+        # called after every decode with (positions, rows): the final hidden state (after the output norm,
+        # before the output projection) at each position whose logits were asked for, what Medusa heads read
+        self.final_sink = None
         self._n_embd_out = llama_cpp.llama_model_n_embd_out(self._model)
+        self.n_embd_out = self._n_embd_out  # the width of the final hidden rows (capture_final)
         self._n_embd = llama_cpp.llama_model_n_embd(self._model)
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
         self._vocabulary = Vocabulary(llama_cpp, self._vocab_p)
@@ -441,6 +445,21 @@ class LlamaCppBackend:
                 ptr = self._nextn.get_embeddings_nextn(self.llm.ctx)
                 rows = np.ctypeslib.as_array(ptr, shape=(len(chunk), self._n_embd_out))
             self.hidden_sink(n_before, rows)
+        if self.final_sink is not None:
+            b = self._batch
+            at = [j for j in range(len(chunk)) if b.logits[j]]
+            rows = np.empty((len(at), self._n_embd_out), dtype=np.float32)
+            for r, j in enumerate(at):
+                rows[r] = np.ctypeslib.as_array(self._lib.llama_get_embeddings_ith(self.llm.ctx, j),
+                                                shape=(self._n_embd_out,))
+            self.final_sink([n_before + j for j in at], rows)
+
+    def capture_final(self, sink) -> None:
+        """Hand every decode's final hidden rows at the positions whose logits it computed (llama.cpp's
+        token embeddings of a context with embeddings on: the output norm's result) to `sink(positions,
+        rows)`; None stops it. The logits are computed as before."""
+        self._lib.llama_set_embeddings(self.llm.ctx, sink is not None)
+        self.final_sink = sink
 
     def capture_hidden(self, sink) -> None:
         """Hand every decode's final hidden rows (one per token, as llama.cpp's MTP graph reads them) to

@@ -488,7 +488,7 @@ def _check_pair_refs(cfg: Config, pair: PairSpec, index: _LineIndex) -> None:
 
 
 def _looks_like_path(ref: str) -> bool:
-    return "/" in ref or os.sep in ref or ref.lower().endswith(".gguf") or ref.startswith((".", "~"))
+    return "/" in ref or os.sep in ref or ref.lower().endswith((".gguf", ".safetensors")) or ref.startswith((".", "~"))
 
 
 def _toml_type(value: Any) -> str:

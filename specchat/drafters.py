@@ -148,6 +148,15 @@ class Estimating(Protocol):
     def estimates(self) -> dict[str, Any]:
         """Its live estimates (each with as_dict / absorb), by name."""
 
+
+@runtime_checkable
+class SelfTimed(Protocol):
+    """A drafter whose drafts cost host time but that has no model of its own to time (Medusa's heads, in
+    numpy): it says what a forward costs (`Drafter.forwards`), and the policy follows that from there."""
+
+    def draft_cost(self) -> Any:
+        """A costs.CostModel of its forwards, by batch size."""
+
     def run_info(self, params: SamplingParams) -> dict[str, Any]:
         """Keys to add to --json's object and report.json."""
 

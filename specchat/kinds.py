@@ -39,6 +39,8 @@ class DrafterKind:
     # what a -md file of one of its `archs` is for, as `specchat models` says it: "module:function" (or a
     # callable) of the file's path, imported only when a table shows such a file; None: its memory kind
     describes: str | Callable[..., str] | None = None
+    # a -md file that is not a GGUF is this kind by its name's ending (".safetensors": Medusa heads)
+    suffixes: tuple[str, ...] = ()
 
     @property
     def free(self) -> bool:
@@ -102,6 +104,13 @@ DFLASH = register(DrafterKind(
     describes="specchat.dflash:describe_file",
 ))
 
+MEDUSA = register(DrafterKind(
+    # K heads on the target's final hidden state, in numpy on the host (medusa.py); a safetensors file
+    "medusa", "Medusa heads", "specchat.medusa:build_medusa", cost="head", spec_types=("draft-medusa",),
+    needs_file=True, reads_target=True, colour="blue", suffixes=(".safetensors",),
+    describes="specchat.medusa:describe_file",
+))
+
 # What drafts when no drafter is named (-m alone), and what --hybrid (a pair's `lookup`) puts in front of
 # another drafter: prompt lookup needs no second model and costs nothing where the text does not repeat.
 DEFAULT = HYBRID_FRONT = PROMPT_LOOKUP
@@ -162,6 +171,11 @@ def by_word(word: str) -> DrafterKind | None:
 def for_file(arch: str | None) -> DrafterKind:
     """The kind a -md file drafts as, by its GGUF architecture: a head trained for the target, else a model."""
     return next((k for k in table().values() if arch in k.archs), DRAFT_MODEL)
+
+
+def for_suffix(name: str) -> DrafterKind | None:
+    """The kind a -md file that is not a GGUF drafts as, by its name's ending (None: a GGUF)."""
+    return next((k for k in table().values() if k.suffixes and name.lower().endswith(k.suffixes)), None)
 
 
 def words() -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from . import rpc as rpc_workers  # (`rpc` is a list of endpoints)
 from .backend import Backend, BackendError, LlamaCppBackend
 from .config import Config, ModelSpec
 from .costs import CostModel, cached_cost_model, cost_cache_key, reference_cost_model
-from .drafters import Chain, Drafter, Retargetable, is_free, members, own_backends
+from .drafters import Chain, Drafter, Retargetable, SelfTimed, is_free, members, own_backends
 from .gguf_header import gguf_arch
 from .kinds import DrafterKind
 from .memory import MAX_SNAPSHOTS
@@ -219,10 +219,11 @@ def load(
         spec = config.model(ref)
         status(f"locating draft {spec.name}")
         path = resolve(spec)
-        kind = kinds.for_file(gguf_arch(path))
+        kind = kinds.for_suffix(path.name) or kinds.for_file(gguf_arch(path))
         if selection.file_kind is not None and kind is not selection.file_kind:
+            what = kind.label if kind.suffixes else f"{gguf_arch(path)} model"
             raise BackendError(f"--spec-type {selection.file_kind.spec_types[0]}: {spec.name} is a "
-                               f"{gguf_arch(path)} model, not {'an' if selection.file_kind.label[0] in 'AEIOU' else 'a'} "
+                               f"{what}, not {'an' if selection.file_kind.label[0] in 'AEIOU' else 'a'} "
                                f"{selection.file_kind.label}")
         planned.append((kind, spec, path))
     # --rpc wins over the pair's `rpc`, which wins over the model's
@@ -335,7 +336,10 @@ def make_policy(loaded: Loaded, draft_max: int, draft_fixed: int | None, *, reme
     stores: list[AcceptanceStore | None] = []
     for drafter in drafters:
         timed = drafter.backend is not None and not is_free(drafter)
-        costs.append(cached_cost_model(drafter.backend, cache_file, notify) if timed else None)
+        if isinstance(drafter, SelfTimed):
+            costs.append(drafter.draft_cost())
+        else:
+            costs.append(cached_cost_model(drafter.backend, cache_file, notify) if timed else None)
         store = None
         if remember and drafter.carried():  # (lookup carries nothing over: the file is not even read)
             drafter_id = drafter.kind.name + (f":{cost_cache_key(drafter.backend)}" if drafter.backend is not None else "")
