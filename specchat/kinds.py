@@ -41,6 +41,7 @@ class DrafterKind:
     describes: str | Callable[..., str] | None = None
     # a -md file that is not a GGUF is this kind by its name's ending (".safetensors": Medusa heads)
     suffixes: tuple[str, ...] = ()
+    usage: str = ""  # how a user gives it, for --spec-type's help ("-md names the head")
 
     @property
     def free(self) -> bool:
@@ -83,32 +84,34 @@ PROMPT_LOOKUP = register(DrafterKind(
     # llama.cpp's n-gram drafters are all answered by specchat's one lookup (indexed, with its own policy)
     spec_types=("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"),
     word="prompt-lookup", colour="green", sources={"history": "lookup: earlier replies"},
+    usage="all = -md prompt-lookup",
 ))
 DRAFT_MODEL = register(DrafterKind(
     "draft-model", "draft model", "specchat.drafters:build_draft_model", spec_types=("draft-simple",),
-    needs_file=True, colour="magenta",
+    needs_file=True, colour="magenta", usage="a draft model, -md",
 ))
 MTP = register(DrafterKind(
     "mtp", "MTP head", "specchat.drafters:build_mtp", cost="head", spec_types=("draft-mtp",), word="mtp",
     reads_target=True, colour="blue", target_options={"mtp": True},  # llama.cpp loads the MTP layers
+    usage="the target's own MTP layers, = -md mtp",
 ))
 EAGLE3 = register(DrafterKind(
     "eagle3", "EAGLE-3 head", "specchat.drafters:build_eagle3", cost="head", spec_types=("draft-eagle3",),
     archs=("eagle3",), needs_file=True, reads_target=True, colour="blue",
-    describes="specchat.heads:describe_eagle3_file",
+    describes="specchat.heads:describe_eagle3_file", usage="-md names the head",
 ))
 DFLASH = register(DrafterKind(
     # DFlash and DSpark drafts are one architecture (dflash); the file says which (a Markov head: DSpark)
     "dflash", "DFlash", "specchat.dflash:build_dflash", cost="block", spec_types=("draft-dflash", "draft-dspark"),
     archs=("dflash",), needs_file=True, reads_target=True, colour="blue", sources={"dspark": "DSpark"},
-    describes="specchat.dflash:describe_file",
+    describes="specchat.dflash:describe_file", usage="-md names the block draft",
 ))
 
 MEDUSA = register(DrafterKind(
     # K heads on the target's final hidden state, in numpy on the host (medusa.py); a safetensors file
     "medusa", "Medusa heads", "specchat.medusa:build_medusa", cost="head", spec_types=("draft-medusa",),
     needs_file=True, reads_target=True, colour="blue", suffixes=(".safetensors",),
-    describes="specchat.medusa:describe_file",
+    describes="specchat.medusa:describe_file", usage="-md names a .safetensors head file",
 ))
 
 # What drafts when no drafter is named (-m alone), and what --hybrid (a pair's `lookup`) puts in front of
@@ -176,6 +179,12 @@ def for_file(arch: str | None) -> DrafterKind:
 def for_suffix(name: str) -> DrafterKind | None:
     """The kind a -md file that is not a GGUF drafts as, by its name's ending (None: a GGUF)."""
     return next((k for k in table().values() if k.suffixes and name.lower().endswith(k.suffixes)), None)
+
+
+def spec_type_help() -> str:
+    """Each of specchat's own kinds' --spec-type names and how it is given, for the option's help (the
+    installed kinds are read later: looking them up would cost every start-up)."""
+    return ", ".join(f"{' / '.join(k.spec_types)} ({k.usage})" for k in KINDS.values() if k.spec_types)
 
 
 def words() -> tuple[str, ...]:

@@ -57,6 +57,9 @@ def _memory(spec) -> str:
     """The model's architecture and how its cache is cut after a rejected draft (from the file's header)."""
     try:
         path = header_file(spec)
+        by_suffix = kinds.for_suffix(path.name)  # a drafter's file that is not a GGUF (Medusa heads)
+        if by_suffix is not None:
+            return escape(by_suffix.describe_file(path) or by_suffix.label)
         arch = gguf_arch(path)
     except (SourceError, ConfigError):
         return "[dim]?[/]"

@@ -19,6 +19,7 @@ from typing import Annotated, get_args, get_type_hints
 
 import typer
 
+from . import kinds
 from .engine import MAX_TOKENS
 from .loader import LoadOptions
 from .policy import DRAFT_MAX
@@ -40,11 +41,11 @@ Target = Annotated[
 ]
 Draft = Annotated[
     str | None,
-    typer.Option("-md", "--draft", "--model-draft", "--spec-draft-model", help="Drafter: a model (name, path or hub ref), `prompt-lookup`, or `mtp` (the target's own MTP layers); with --spec-type, the model its draft-simple / draft-eagle3 uses. Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
+    typer.Option("-md", "--draft", "--model-draft", "--spec-draft-model", help="Drafter: a model or a head file trained for the target (name, path or hub ref), `prompt-lookup`, or `mtp` (the target's own MTP layers); with --spec-type, the file its kind reads. Default: the pair's, else prompt-lookup.", rich_help_panel=MODELS),
 ]
 SpecType = Annotated[
     str | None,
-    typer.Option("--spec-type", help="llama.cpp's spelling of the drafter, or a chain of them separated by commas, no spaces: draft-simple (a draft model, -md), draft-eagle3 (-md names the head), draft-mtp (the target's own MTP layers, = -md mtp), ngram-simple / ngram-map-k / ngram-map-k4v / ngram-mod / ngram-cache (all = -md prompt-lookup). A chain is priced each step and the best draft sent.", rich_help_panel=SPEC),
+    typer.Option("--spec-type", help=f"llama.cpp's spelling of the drafter, or a chain of them separated by commas, no spaces: {kinds.spec_type_help()}. A chain is priced each step and the best draft sent.", rich_help_panel=SPEC),
 ]
 Pair = Annotated[
     str | None,

@@ -180,3 +180,63 @@ def test_the_kind_is_found_by_its_files_ending():
     assert kinds.for_suffix("heads.SafeTensors") is kinds.MEDUSA
     assert kinds.for_suffix("draft.gguf") is None
     assert kinds.by_spec_type("draft-medusa") is kinds.MEDUSA
+
+
+# -- SmolLM2 and the heads that ship with specchat ------------------------------------------------------
+
+# held out from the heads' training (medusa_train.TOPICS x TASKS): other subjects, other asks
+HELD_OUT = [
+    "Why do cats purr? Answer in three sentences.",
+    "Write a haiku about autumn leaves, then explain its imagery.",
+    "What is the difference between a list and a tuple in Python?",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from real_models import model_path
+    from specchat.backend import LlamaCppBackend
+
+    target = LlamaCppBackend(model_path("smollm2-135m"), n_ctx=2048, n_threads=2, name="smollm2-135m", outputs=5)
+    yield target
+    target.close()
+
+
+@pytest.mark.real
+def test_the_shipped_heads_draft_smollm2_losslessly(smollm2):
+    """Greedy, teacher-forced (batched logits differ from single-token ones by ~0.1: see real_models.py):
+    every emitted token within tolerance of its position's best logit, no recovery, and drafts accepted."""
+    from real_models import GREEDY, TOLERANCE, model_path, prompt_ids_for, run, teacher_forced_gaps
+    from specchat.medusa import output_rows
+
+    heads = load_heads(model_path("smollm2-medusa"), n_embd=smollm2.n_embd_out, n_vocab=smollm2.n_vocab,
+                       output=output_rows(smollm2.path))
+    drafter = MedusaDrafter(heads, smollm2)
+    accepted = drafted = 0
+    for text in HELD_OUT:
+        ids = prompt_ids_for(smollm2, text)
+        finished, _ = run(smollm2, drafter, ids, GREEDY, k=heads.n_heads, max_tokens=64)
+        gaps = teacher_forced_gaps(smollm2, ids, finished.token_ids)
+        assert gaps.max() <= TOLERANCE, (text, gaps.max())
+        assert finished.stats.rollback_recoveries == 0
+        accepted += finished.stats.accepted
+        drafted += finished.stats.drafted
+    drafter.suspend(True)
+    assert drafted > 0 and accepted / drafted > 0.1, (accepted, drafted)
+
+
+@pytest.mark.real
+def test_medusa_from_the_command_line(measured_home):
+    from real_models import specchat
+
+    done = specchat("prompt", "-m", "smollm2-135m", "-md", "smollm2-medusa", "--spec-type", "draft-medusa",
+                    "--temp", "0", "-n", "32", "--draft-fixed", "3", "--json", HELD_OUT[0], home=measured_home)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    result = json.loads(done.stdout)
+    assert result["stats"]["drafted"] > 0 and result["stats"]["accepted"] > 0
+    # heads for another target: one line, exit 2
+    bad = specchat("prompt", "-m", "gemma-3-270m", "-md", "smollm2-medusa", "-n", "4", "hi", home=measured_home)
+    assert bad.returncode == 2 and "hidden size of 576, the target's is 640" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
