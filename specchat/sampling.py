@@ -191,55 +191,6 @@ class Dist:
 # -- the rule ----------------------------------------------------------------------------------------------
 
 
-def one_hot(token: int, n_vocab: int) -> Dist:
-    return Dist.single(token, n_vocab)
-
-
-def sample(p: Dist | np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token from p (a Dist, or a dense probability vector)."""
-    p = Dist.of(p)
-    if p.small():
-        # the same draw as below (accumulate adds in cumsum's order), without numpy calls
-        ids, probs = p.lists()
-        cdf = list(accumulate(probs))
-        i = bisect.bisect_right(cdf, rng.random() * cdf[-1])
-        if i >= len(cdf):
-            i = max(j for j, x in enumerate(probs) if x > 0)
-        return ids[i]
-    cdf = np.cumsum(p.probs)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    if i >= len(cdf):  # u * total rounded up to total: the last token with mass
-        i = int(np.flatnonzero(p.probs)[-1])
-    return i if p.ids is None else int(p.ids[i])
-
-
-def residual(p: Dist | np.ndarray, q: Dist | np.ndarray) -> Dist:
-    """normalize(max(0, p - q)): what the target still owes after the draft's proposal was rejected.
-    Its support is within p's, so it costs O(support of p)."""
-    p, q = Dist.of(p), Dist.of(q)
-    if p.small():  # the per-step case: a few dozen candidates, in Python (see Dist.lists)
-        ids, probs = p.lists()
-        if q.small():
-            owed = dict(zip(*q.lists()))
-            r = [max(a - owed.get(t, 0.0), 0.0) for t, a in zip(ids, probs)]
-        else:
-            r = [max(a - q.prob(t), 0.0) for t, a in zip(ids, probs)]
-        total = sum(r)
-        return Dist.of_lists(ids, [x / total for x in r], p.n_vocab) if total > 0 else p
-    if p.ids is None:
-        r = p.probs.copy()
-        if q.ids is None:
-            r -= q.probs
-        else:
-            r[q.ids] -= q.probs
-        r = np.maximum(r, 0.0)
-    else:
-        r = np.maximum(p.probs - q.probs_at(p.ids), 0.0)
-    total = r.sum()
-    # total == 0 only if p == q, where a rejection has probability 0; guard against rounding anyway
-    return Dist(p.ids, r / total, p.n_vocab) if total > 0 else p
-
-
 def verify(
     p: Sequence[Dist | np.ndarray] | _Lazy,
     q: Sequence[Dist | np.ndarray | None],
@@ -271,6 +222,55 @@ def verify_greedy(target_argmax: Sequence[int] | _Lazy, drafts: Sequence[int]) -
     return len(drafts), target_argmax[len(drafts)]
 
 
+def residual(p: Dist | np.ndarray, q: Dist | np.ndarray) -> Dist:
+    """normalize(max(0, p - q)): what the target still owes after the draft's proposal was rejected.
+    Its support is within p's, so it costs O(support of p)."""
+    p, q = Dist.of(p), Dist.of(q)
+    if p.small():  # the per-step case: a few dozen candidates, in Python (see Dist.lists)
+        ids, probs = p.lists()
+        if q.small():
+            owed = dict(zip(*q.lists()))
+            r = [max(a - owed.get(t, 0.0), 0.0) for t, a in zip(ids, probs)]
+        else:
+            r = [max(a - q.prob(t), 0.0) for t, a in zip(ids, probs)]
+        total = sum(r)
+        return Dist.of_lists(ids, [x / total for x in r], p.n_vocab) if total > 0 else p
+    if p.ids is None:
+        r = p.probs.copy()
+        if q.ids is None:
+            r -= q.probs
+        else:
+            r[q.ids] -= q.probs
+        r = np.maximum(r, 0.0)
+    else:
+        r = np.maximum(p.probs - q.probs_at(p.ids), 0.0)
+    total = r.sum()
+    # total == 0 only if p == q, where a rejection has probability 0; guard against rounding anyway
+    return Dist(p.ids, r / total, p.n_vocab) if total > 0 else p
+
+
+def sample(p: Dist | np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token from p (a Dist, or a dense probability vector)."""
+    p = Dist.of(p)
+    if p.small():
+        # the same draw as below (accumulate adds in cumsum's order), without numpy calls
+        ids, probs = p.lists()
+        cdf = list(accumulate(probs))
+        i = bisect.bisect_right(cdf, rng.random() * cdf[-1])
+        if i >= len(cdf):
+            i = max(j for j, x in enumerate(probs) if x > 0)
+        return ids[i]
+    cdf = np.cumsum(p.probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    if i >= len(cdf):  # u * total rounded up to total: the last token with mass
+        i = int(np.flatnonzero(p.probs)[-1])
+    return i if p.ids is None else int(p.ids[i])
+
+
+def one_hot(token: int, n_vocab: int) -> Dist:
+    return Dist.single(token, n_vocab)
+
+
 class _Lazy:
     """Row i computed on first access: at a rejection the later positions are never processed. With
     `make_rest`, row 0 is made alone and rows 1.. together, the first time one of them is needed."""
@@ -296,20 +296,15 @@ class _Lazy:
 def lazy_rows(n: int, make, make_rest=None) -> _Lazy:
     return _Lazy(n, make, make_rest)
 
+
 # -- the sampler chain -------------------------------------------------------------------------------------
 
 
-def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> Dist:
-    """Raw logits -> the distribution the sampler draws from, on its support: the sampler chain on one row.
-    With top-k the work is on the candidates only; without it (top-k 0) the distribution is the only dense one.
-    `history`: the tokens the penalties see (context + drafts so far)."""
-    return _chain(logits, params, history)
-
-
-def _chain(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
-           top: tuple[list[int], list[float]] | None = None) -> Dist:
-    """The sampler chain. `top`: the row's raw top_k + len(banned) entries as top_sorted gives them, where
-    the caller has found them already (read only where no penalty applies)."""
+def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
+            top: tuple[list[int], list[float]] | None = None) -> Dist:
+    """Raw logits -> the distribution the sampler draws from, on its support: the sampler chain. `history`:
+    the tokens the penalties see (context + drafts so far). `top`: the row's raw top_k + len(banned) entries
+    as top_sorted gives them, where the caller found them already (read only where no penalty applies)."""
     n_vocab = logits.shape[0]
     if params.greedy:
         return Dist.single(greedy_token(logits, params, history), n_vocab)
@@ -325,7 +320,7 @@ def process_rows(rows: np.ndarray, params: SamplingParams, history, start: int =
         return [process(rows[i], params, history(i)) for i in range(start, len(rows))]
     tops = top_k_rows(rows[start:], min(n, params.top_k + len(params.banned_set)))
     # a row whose top_k_rows declined (None: a tie at the k-th value) has its candidates found by the chain
-    return [_chain(rows[i], params, (), top) for i, top in enumerate(tops, start)]
+    return [process(rows[i], params, (), top) for i, top in enumerate(tops, start)]
 
 
 def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> tuple[int | None, Dist | None, float]:
@@ -341,7 +336,7 @@ def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int
     confidence = draft_confidence(logits) if top is None else _confidence(top[1])
     if params.greedy:  # top_sorted: the lowest id first among equal maxima, like np.argmax
         return (greedy_token(logits, params, history) if top is None else top[0][0]), None, confidence
-    return None, _chain(logits, params, history, top), confidence
+    return None, process(logits, params, history, top), confidence
 
 
 def greedy_token(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> int:
@@ -457,10 +452,9 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequenc
 def _candidates(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
                 top: tuple[list[int], list[float]] | None = None):
     """Penalties, bans and top-k: (ids, penalised logits) sorted by falling logit then lowest id, holding
-    every token the rest of the chain can keep, and `total`, the mass top-p and min-p measure against.
-    After top-k: a few dozen candidates as Python lists, total None (their own mass). Without top-k: the
-    head of the whole vocabulary as arrays (_head), total its whole mass; or, where nothing truncates,
-    ids None and the whole penalised row (indexed by id)."""
+    every token the rest of the chain can keep, and the mass top-p and min-p measure against. After top-k:
+    Python lists, measured against their own mass (None). Without: the head of the whole vocabulary as
+    arrays (_head) and the whole mass; or, where nothing truncates, ids None and the whole row by id."""
     n_vocab = logits.shape[0]
     k = params.top_k
     changed = _penalised(logits, params, history) if params.has_penalty else None
