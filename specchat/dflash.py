@@ -30,7 +30,7 @@ from .backend import BackendError, LlamaCppBackend
 from .compat import nextn_api
 from .drafters import FREE, Draft, Forwards, HiddenRows, ReadsTarget, build_reader
 from .gguf_header import check_gguf_file, gguf_layout
-from .heads import HeadBackend, _head_context_params, load_head_model
+from .heads import HeadBackend
 from .sampling import SamplingParams
 
 DEFAULT_BLOCK = 16  # llama.cpp's block size where a file has no dflash.block_size
@@ -101,35 +101,23 @@ class BlockHead(HeadBackend):
         if self.file.selector:
             raise BackendError(f"{path.name} is a DFlash2 draft (a candidate selector): specchat drafts with "
                                "DFlash and DSpark files; llama.cpp's --spec-type draft-dflash runs this one")
-        self._model, self.n_gpu_layers = load_head_model(target, path, n_gpu_layers, "DFlash draft")
-        ctx = None
-        try:
-            layers = self._api.target_layers(self._model)
-            target_embd = lib.llama_model_n_embd(target._model)
-            own_embd = lib.llama_model_n_embd(self._model)
-            if own_embd != target_embd:  # llama.cpp reads target features as wide as the draft's own rows
-                raise BackendError(f"DFlash draft {path.name} reads hidden states of width {own_embd}; "
-                                   f"{target.name}'s are {target_embd}: it was trained for another target")
-            if not layers or not all(0 <= lid < target.n_layer for lid in layers):
-                raise BackendError(f"DFlash draft {path.name} reads target layers {list(layers)}; {target.name} "
-                                   f"has layers 0..{target.n_layer - 1}: it was trained for another target")
-            self.mask = int(lib.llama_vocab_mask(lib.llama_model_get_vocab(self._model)))
-            if self.mask < 0:
-                raise BackendError(f"DFlash draft {path.name} has no mask token (tokenizer.ggml.mask_token_id)")
-            ctx = lib.llama_init_from_model(self._model, _head_context_params(lib, target, 0))
-            if not ctx:
-                raise BackendError(f"llama.cpp could not create a context for the DFlash draft {path.name}")
-        except BaseException:
-            lib.llama_model_free(self._model)
-            raise
+        self.path = path
+        ctx, self.layers, n_embd = self._open_own(target, path, n_gpu_layers, "DFlash draft",
+                                                  # llama.cpp reads target features as wide as the draft's own rows
+                                                  lib.llama_model_n_embd, check=self._check_mask)
         lib.llama_set_causal_attn(ctx, self.file.causal)  # a block attends to itself both ways
-        self.layers = tuple(layers)
         self.block_size = self.file.block_size
         # what the target hands over per token: the inputs of each layer it reads
-        self._setup(target, ctx, own_embd, path.name, "", n_embd_in=len(self.layers) * target_embd)
-        self.path = path
+        self._setup(target, ctx, n_embd, path.name, "", n_embd_in=len(self.layers) * n_embd)
         self._inject_pos = ctypes.c_int32(0)
         self.warm_up()
+
+    def _check_mask(self, model) -> None:
+        """A block is [last token, mask, mask, ...]: the draft must have a mask token."""
+        lib = self._lib
+        self.mask = int(lib.llama_vocab_mask(lib.llama_model_get_vocab(model)))
+        if self.mask < 0:
+            raise BackendError(f"DFlash draft {self.path.name} has no mask token (tokenizer.ggml.mask_token_id)")
 
     @property
     def markov(self) -> bool:
@@ -280,8 +268,8 @@ class BlockDrafter(ReadsTarget):
                 return None
             row = rows[i]
             if self.head.markov and i:
-                # DSpark's graph conditions slot i's Markov bias on the previous slot's argmax (the anchor for
-                # the first read slot); a token drawn off it moves the bias to the token drawn
+                # DSpark's graph conditions slot i's Markov bias on slot i - 1's argmax (the first slot's on
+                # the anchor, as drawn); a token drawn off that argmax moves the bias to the token drawn
                 graph_prev = int(np.argmax(rows[i - 1]))
                 if drawn_prev != graph_prev:
                     row = row + self._markov_bias(drawn_prev) - self._markov_bias(graph_prev)

@@ -538,9 +538,12 @@ class HeadDrafter(ReadsTarget):
         k = min(k, self.head.n_ctx - (n - self.shift))
         if k <= 0 or n <= self.shift:
             return Draft()
-        row = self._catch_up(context, n, logits=True)
-        # each further token goes in with the head's own output row of the step before
-        row_at = lambda i, token: row if i == 0 else self.head.eval([token], [0], states=self.head.hidden)[0]  # noqa: E731
+        first = self._catch_up(context, n, logits=True)
+
+        def row_at(i: int, token: int | None) -> np.ndarray:
+            # each further token goes in with the head's own output row of the step before
+            return first if i == 0 else self.head.eval([token], [0], states=self.head.hidden)[0]
+
         try:
             return self._draft(context, k, params, rng, row_at)
         finally:
