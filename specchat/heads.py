@@ -134,7 +134,8 @@ class HeadBackend(DraftingHead):
             if width != target_embd:
                 raise BackendError(f"{what} {path.name} reads hidden states of width {width}; "
                                    f"{target.name}'s are {target_embd}: it was trained for another target")
-            if not layers or n_layers not in (None, len(layers)) or not all(0 <= lid < target.n_layer for lid in layers):
+            in_target = all(0 <= lid < target.n_layer for lid in layers)
+            if not layers or n_layers not in (None, len(layers)) or not in_target:
                 raise BackendError(f"{what} {path.name} reads target layers {list(layers)}; {target.name} "
                                    f"has layers 0..{target.n_layer - 1}: it was trained for another target")
             if check is not None:

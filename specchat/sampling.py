@@ -350,7 +350,7 @@ def greedy_token(logits: np.ndarray, params: SamplingParams, history: Sequence[i
     touched, values = changed
     if not (touched == best).any() and (values < logits[best]).all():
         return best
-    ids, z = _top_candidates(logits, params, changed, 1)
+    ids, z = _top_candidates(logits, changed, 1)
     return int(ids[z == z.max()].min())
 
 
@@ -468,7 +468,7 @@ def _candidates(logits: np.ndarray, params: SamplingParams, history: Sequence[in
             if len(ids) >= k:
                 return ids[:k], z[:k], None
             changed = _penalised(logits, params, ())  # the bans left too few: banned ids at -inf
-        ids, z = _top_candidates(logits, params, changed, k)
+        ids, z = _top_candidates(logits, changed, k)
         ids, z = _sorted(ids.tolist(), z.tolist())
         return ids[:k], z[:k], None
     full = logits.astype(np.float64)
@@ -604,9 +604,8 @@ def _best(ids: np.ndarray, z: np.ndarray, k: int) -> np.ndarray:
     return ids[np.lexsort((ids, -z))[:k]]
 
 
-def _top_candidates(
-    logits: np.ndarray, params: SamplingParams, changed: tuple[np.ndarray, np.ndarray], k: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _top_candidates(logits: np.ndarray, changed: tuple[np.ndarray, np.ndarray],
+                    k: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids, penalised float64 logits) of a set holding the k best penalised logits (maybe more).
     Untouched tokens keep their raw logits, so the best k of them are among the best k + len(touched)
     raw ones; the touched tokens (`changed`, from _penalised) are added with their new values."""
