@@ -41,10 +41,8 @@ import numpy as np
 
 from . import kinds
 from .backend import Backend, HeldPrefix, common_prefix, sync
-from .drafters import Draft, Labelled, ModelDrafting, Retargetable, draft_token
-from .sampling import (
-    Dist, SamplingParams, apply_penalties, draft_confidence, penalty_window, process, sample, top_k_ids,
-)
+from .drafters import Draft, DraftLoop, Labelled, ModelDrafting, Retargetable, own_rows
+from .sampling import Dist, SamplingParams, apply_penalties, draft_confidence, process, sample, top_k_ids
 from .vocab import VocabFile
 
 RULES = ("auto", "slem", "tli")
@@ -221,12 +219,10 @@ class CrossVocabDrafter(ModelDrafting, Retargetable, Labelled):
 
     def __init__(self, backend: Backend, target: Backend, vmap: VocabMap | None = None, *, rule: str = "auto",
                  p_min: float = 0.0, draft_min: int = 0):
-        super().__init__()
+        super().__init__(p_min, draft_min)
         self.backend = backend
         self.target = target
         self.rule = check_rule(rule)
-        self.p_min = p_min
-        self.draft_min = draft_min
         self.map = vmap if vmap is not None else cached_vocab_map(target, backend)
         self.rules_run: Counter = Counter()  # steps that drafted, by rule
         d_vocab = backend.vocab
@@ -415,20 +411,15 @@ class CrossVocabDrafter(ModelDrafting, Retargetable, Labelled):
         return ids
 
     def _propose_slem(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
-        penalised = dparams.has_penalty
-        history = penalty_window(self._ids, dparams)
+        """SLEM: the draft drafts as a same-vocabulary draft would, until its text re-tokenised for the target
+        makes more than k tokens (or does not spell it); those tokens go as deterministic proposals."""
+        loop = DraftLoop(self._ids, dparams, rng, self.p_min)
         drafted: list[int] = []
         text = b""
         ids: list[int] = []
         end: int | None = None  # a target special token that ends the draft
         complete = False  # the last re-tokenised token is known to be whole
-        max_draft = min(2 * k + 4, room - 1)
-        while len(drafted) < max_draft:
-            token, _, top = draft_token(row, dparams, history, rng, self.p_min)  # as a same-vocabulary draft picks
-            if top < self.p_min:
-                # the draft is unsure what follows; its best guess still says whether a word ends here
-                complete = not self.backend.token_bytes(token)[:1].isalnum()
-                break
+        for token, _ in loop.tokens(min(2 * k + 4, room - 1), own_rows(row, self.backend)):
             piece = self.backend.token_bytes(token)
             if not piece:
                 mapped = int(self.map.to_target[token])
@@ -439,16 +430,15 @@ class CrossVocabDrafter(ModelDrafting, Retargetable, Labelled):
                 break
             drafted.append(token)
             text += piece
-            if penalised:
-                history.append(token)
             retok = self._retokenise(text)
             if retok is None:
                 break
             ids = retok
             if len(ids) > k:
                 break
-            if len(drafted) < max_draft:
-                row = self.backend.eval([token], [0], in_place=True)[0]
+        if loop.unsure is not None:
+            # the draft is unsure what follows; its best guess still says whether a word ends here
+            complete = not self.backend.token_bytes(loop.unsure)[:1].isalnum()
         if end is not None:
             retok = self._retokenise(text)
             ids = (retok or []) + [end] if retok is not None else []
@@ -459,30 +449,12 @@ class CrossVocabDrafter(ModelDrafting, Retargetable, Labelled):
         return Draft(tokens=ids[:k], q=[None] * len(ids[:k]), source=self.kind.name), drafted
 
     def _propose_tli(self, row, k, room, params, dparams, banned, rng) -> tuple[Draft, list[int]]:
-        to_target = self.map.to_target
-        penalised = dparams.has_penalty
-        history = penalty_window(self._ids, dparams)
+        """TLI: each token drawn from the draft's q restricted to the shared vocabulary, sent with that q."""
         draft = Draft(source=self.kind.name)
         drafted: list[int] = []
-        for i in range(min(k, room - 1)):
-            top = draft_confidence(row) if self.p_min > 0 else 1.0
-            if top < self.p_min:
-                break
-            if params.greedy:
-                z = apply_penalties(row, dparams, history) if penalised else row
-                candidates = top_k_ids(z, min(64, len(z)))
-                candidates = candidates[np.argsort(-z[candidates], kind="stable")]
-                shared = candidates[to_target[candidates] >= 0]
-                if not len(shared):
-                    break
-                token = int(shared[0])
-                target_token, q = int(to_target[token]), None
-            else:
-                q = restrict_to_shared(process(row, dparams, history), to_target, self.map.n_target)
-                if q is None:
-                    break  # nothing the draft would say can be said in the target's tokens
-                target_token = sample(q, rng)
-                token = self._draft_token_for(target_token, row)
+        loop = DraftLoop(self._ids, dparams, rng, self.p_min, pick=self._pick_shared)
+        for token, q in loop.tokens(min(k, room - 1), own_rows(row, self.backend)):
+            target_token = int(self.map.to_target[token])
             if target_token in banned:
                 break
             drafted.append(token)
@@ -490,11 +462,26 @@ class CrossVocabDrafter(ModelDrafting, Retargetable, Labelled):
             draft.q.append(q)
             if not self.backend.token_bytes(token):
                 break  # a special token (end of turn) ends the draft
-            if penalised:
-                history.append(token)
-            if i < k - 1:
-                row = self.backend.eval([token], [0], in_place=True)[0]
         return draft, drafted
+
+    def _pick_shared(self, row, params, history, rng, p_min):
+        """TLI's pick (see DraftLoop): (a draft token the target has, q over target ids or None (greedy),
+        the draft's confidence), or None where nothing the draft would say can be said in the target's
+        tokens. Unsure (under p_min), it draws nothing."""
+        top = draft_confidence(row) if p_min > 0 else 1.0
+        if top < p_min:
+            return None, None, top
+        to_target = self.map.to_target
+        if params.greedy:
+            z = apply_penalties(row, params, history) if params.has_penalty else row
+            candidates = top_k_ids(z, min(64, len(z)))
+            candidates = candidates[np.argsort(-z[candidates], kind="stable")]
+            shared = candidates[to_target[candidates] >= 0]
+            return (int(shared[0]), None, top) if len(shared) else None
+        q = restrict_to_shared(process(row, params, history), to_target, self.map.n_target)
+        if q is None:
+            return None
+        return self._draft_token_for(sample(q, rng), row), q, top
 
     def _draft_token_for(self, target_token: int, row: np.ndarray) -> int:
         """The draft token that continues the draft's text for a sampled target token (the likeliest

@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 
 from . import kinds
-from .backend import BackendError, HeldPrefix, LlamaCppBackend, common_prefix
+from .backend import BackendError, LlamaCppBackend
 from .compat import nextn_api
-from .drafters import Draft, Forwards, FREE, HiddenRows, ModelDrafting, Suspendable, draft_token
+from .drafters import FREE, Draft, Forwards, HiddenRows, ReadsTarget, build_reader
 from .gguf_header import check_gguf_file, gguf_layout
-from .heads import HeadBackend, _head_context_params, load_head_model
-from .sampling import SamplingParams, penalty_window
+from .heads import HeadBackend
+from .sampling import SamplingParams
 
 DEFAULT_BLOCK = 16  # llama.cpp's block size where a file has no dflash.block_size
 
@@ -101,35 +101,23 @@ class BlockHead(HeadBackend):
         if self.file.selector:
             raise BackendError(f"{path.name} is a DFlash2 draft (a candidate selector): specchat drafts with "
                                "DFlash and DSpark files; llama.cpp's --spec-type draft-dflash runs this one")
-        self._model, self.n_gpu_layers = load_head_model(target, path, n_gpu_layers, "DFlash draft")
-        ctx = None
-        try:
-            layers = self._api.target_layers(self._model)
-            target_embd = lib.llama_model_n_embd(target._model)
-            own_embd = lib.llama_model_n_embd(self._model)
-            if own_embd != target_embd:  # llama.cpp reads target features as wide as the draft's own rows
-                raise BackendError(f"DFlash draft {path.name} reads hidden states of width {own_embd}; "
-                                   f"{target.name}'s are {target_embd}: it was trained for another target")
-            if not layers or not all(0 <= lid < target.n_layer for lid in layers):
-                raise BackendError(f"DFlash draft {path.name} reads target layers {list(layers)}; {target.name} "
-                                   f"has layers 0..{target.n_layer - 1}: it was trained for another target")
-            self.mask = int(lib.llama_vocab_mask(lib.llama_model_get_vocab(self._model)))
-            if self.mask < 0:
-                raise BackendError(f"DFlash draft {path.name} has no mask token (tokenizer.ggml.mask_token_id)")
-            ctx = lib.llama_init_from_model(self._model, _head_context_params(lib, target, 0))
-            if not ctx:
-                raise BackendError(f"llama.cpp could not create a context for the DFlash draft {path.name}")
-        except BaseException:
-            lib.llama_model_free(self._model)
-            raise
+        self.path = path
+        ctx, self.layers, n_embd = self._open_own(target, path, n_gpu_layers, "DFlash draft",
+                                                  # llama.cpp reads target features as wide as the draft's own rows
+                                                  lib.llama_model_n_embd, check=self._check_mask)
         lib.llama_set_causal_attn(ctx, self.file.causal)  # a block attends to itself both ways
-        self.layers = tuple(layers)
         self.block_size = self.file.block_size
         # what the target hands over per token: the inputs of each layer it reads
-        self._setup(target, ctx, own_embd, path.name, "", n_embd_in=len(self.layers) * target_embd)
-        self.path = path
+        self._setup(target, ctx, n_embd, path.name, "", n_embd_in=len(self.layers) * n_embd)
         self._inject_pos = ctypes.c_int32(0)
         self.warm_up()
+
+    def _check_mask(self, model) -> None:
+        """A block is [last token, mask, mask, ...]: the draft must have a mask token."""
+        lib = self._lib
+        self.mask = int(lib.llama_vocab_mask(lib.llama_model_get_vocab(model)))
+        if self.mask < 0:
+            raise BackendError(f"DFlash draft {self.path.name} has no mask token (tokenizer.ggml.mask_token_id)")
 
     @property
     def markov(self) -> bool:
@@ -212,38 +200,19 @@ class BlockHead(HeadBackend):
             self._lib.llama_model_free(self._model)
 
 
-class BlockDrafter(ModelDrafting, Suspendable):
+class BlockDrafter(ReadsTarget):
     """Drafts a block at a time from a BlockHead. The head's cache holds the target's features of context
     tokens 0..P-1 (those the target has evaluated: it holds context[:-1]); a draft is one forward of
     [context[-1] at P, mask, ...], read at its prediction slots, then cut. A draft costs one forward of the
     block (`forwards`): `extra_slots` block slots besides the tokens asked for."""
 
     def __init__(self, head: BlockHead, target: LlamaCppBackend, p_min: float = 0.0, draft_min: int = 0):
-        super().__init__()
         self.kind = kinds.DFLASH
         self.source = "dspark" if head.markov else self.kind.name
-        self.head = head
-        self.backend = head
-        self.target = target
-        self.p_min = p_min
-        self.draft_min = draft_min
         self.extra_slots = 0 if head.anchor_first else 1
         self.max_tokens = head.block_size - self.extra_slots
         self.features = HiddenRows(head.n_embd_in)
-        self.held = HeldPrefix(head)
-        self.suspended = False
-        head.attach(self.features.put)
-
-    def suspend(self, suspended: bool) -> None:
-        """A policy will not ask this drafter (see HeadDrafter.suspend): the target stops extracting its
-        layer inputs. Positions evaluated meanwhile get zero features until evaluated again."""
-        if suspended == self.suspended:
-            return
-        self.suspended = suspended
-        if suspended:
-            self.target.stop_capture()
-        else:
-            self.head.attach(self.features.put)
+        super().__init__(head, target, self.features.put, head.attach, p_min, draft_min)
 
     def room(self) -> int:
         return self.head.n_ctx
@@ -257,10 +226,7 @@ class BlockDrafter(ModelDrafting, Suspendable):
 
     def _catch_up(self, context: Sequence[int], end: int) -> None:
         """Make the head hold the features of context[:end], injecting only what differs from what it holds."""
-        held = self.head.tokens
-        known = min(self.held.known(context), end, len(held))
-        common = known + common_prefix(held[known:], context[known:end])
-        self.head.truncate(common)
+        common = self._kept(context, end)
         if common < end:
             self.head.inject(context[common:end], self.features_at(range(common, end)))
 
@@ -294,29 +260,23 @@ class BlockDrafter(ModelDrafting, Suspendable):
 
     def _sample(self, rows: np.ndarray, confidence: np.ndarray | None, context: Sequence[int],
                 params: SamplingParams, rng: np.random.Generator) -> Draft:
-        draft = Draft(source=self.source)
-        history = penalty_window(context, params)
-        # DSpark's graph conditions slot i's Markov bias on the previous slot's argmax (the anchor for the
-        # first read slot); a token drawn off it moves the bias to the token drawn
-        graph_prev = drawn_prev = int(context[-1])
-        p_min = 0.0 if confidence is not None else self.p_min
-        for i, row in enumerate(rows):
-            graph_next = int(np.argmax(row)) if self.head.markov else -1
-            if self.head.markov and drawn_prev != graph_prev:
-                row = row + self._markov_bias(drawn_prev) - self._markov_bias(graph_prev)
+        """The block's tokens, slot by slot; the confidence head (where it is read) cuts the block where the
+        draft's own p_min would."""
+
+        def row_at(i: int, drawn_prev: int | None) -> np.ndarray | None:
             if confidence is not None and confidence[i] < self.p_min:
-                break
-            token, q, top = draft_token(row, params, history, rng, p_min)
-            if top < p_min:
-                break
-            draft.tokens.append(token)
-            draft.q.append(q)
-            if params.has_penalty:
-                history.append(token)
-            graph_prev, drawn_prev = graph_next, token
-        if len(draft.tokens) < self.draft_min:
-            return Draft()
-        return draft
+                return None
+            row = rows[i]
+            if self.head.markov and i:
+                # DSpark's graph conditions slot i's Markov bias on slot i - 1's argmax (the first slot's on
+                # the anchor, as drawn); a token drawn off that argmax moves the bias to the token drawn
+                graph_prev = int(np.argmax(rows[i - 1]))
+                if drawn_prev != graph_prev:
+                    row = row + self._markov_bias(drawn_prev) - self._markov_bias(graph_prev)
+            return row
+
+        return self._draft(context, len(rows), params, rng, row_at, source=self.source,
+                           p_min=0.0 if confidence is not None else self.p_min)
 
     def _markov_bias(self, prev: int) -> np.ndarray:
         w1, w2, d2t = self.head.file.markov_weights
@@ -345,10 +305,6 @@ def describe_file(path: Path) -> str:
 
 def build_dflash(build) -> BlockDrafter:
     """A DFlash or DSpark draft from -md (--spec-type draft-dflash / draft-dspark: the file says which)."""
-    build.status(f"loading block draft {build.spec.name}")
-    head = BlockHead(build.target, build.path, n_gpu_layers=build.opts.n_gpu_layers_draft)
-    try:
-        return BlockDrafter(head, build.target, p_min=build.opts.draft_p_min, draft_min=build.opts.draft_min)
-    except BaseException:
-        head.close()
-        raise
+    return build_reader(build, f"loading block draft {build.spec.name}",
+                        lambda: BlockHead(build.target, build.path, n_gpu_layers=build.opts.n_gpu_layers_draft),
+                        BlockDrafter)

@@ -10,7 +10,7 @@ every offer with the measured costs and sends the best, never knowing what kind 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -230,9 +230,8 @@ class Acceptance:
     def rates(self, n: int) -> np.ndarray:
         # Each position's prior is the estimate of the position before it (the first's: the fixed prior):
         # conditional acceptance stays about flat along a draft, so a position tried a few times is pulled
-        # towards its neighbour, not back to the prior. Pulled to the prior instead, a position reached now
-        # and then (0.6 decayed tries at position 2 of a DSpark draft kept at 97% on positions 0-1) read 0.72,
-        # and the drafts never grew past the lengths already tried.
+        # towards its neighbour, not back to the prior. Pulled to the prior instead, a position reached only
+        # now and then reads far below its neighbours, and drafts never grow past the lengths already tried.
         per_position = np.empty(MAX_POSITION)
         mean, weight = self.prior_hits / self.prior_tries, self.prior_tries
         hits, tries = self.hits.tolist(), self.tries.tolist()
@@ -277,13 +276,18 @@ class Acceptance:
         return True
 
 
-class ModelDrafting(Estimating):
-    """What every drafter that runs a model shares (a draft model, a head, a draft with another tokenizer):
-    one acceptance estimate per draft position, learned from its verified drafts and kept across
-    processes. It gets an optimistic prior so it is tried; its misses then teach it."""
 
-    def __init__(self) -> None:
+class ModelDrafting(Estimating):
+    """What every drafter that runs a model shares (a draft model, a head, a block drafter, a draft with another
+    tokenizer): one acceptance estimate per draft position, learned from its verified drafts and kept across
+    processes (it gets an optimistic prior so it is tried; its misses then teach it), and one way to draft
+    (`DraftLoop`) that stops where the draft is unsure (`p_min`, llama.cpp's --spec-draft-p-min) and sends
+    nothing shorter than `draft_min` (--spec-draft-n-min)."""
+
+    def __init__(self, p_min: float = 0.0, draft_min: int = 0) -> None:
         self.acceptance = Acceptance(prior_hits=2.0, prior_tries=3.0)
+        self.p_min = p_min
+        self.draft_min = draft_min
 
     def offer(self, draft: Draft | None, limit: int) -> Offer:
         return Offer(self.acceptance.rates(limit if draft is None else len(draft.tokens)).tolist())
@@ -304,6 +308,79 @@ class ModelDrafting(Estimating):
     def estimates(self) -> dict[str, Any]:
         return {"model": self.acceptance}
 
+    def _draft(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator,
+               row_at: RowAt, *, source: str | None = None, p_min: float | None = None) -> Draft:
+        """Up to k tokens in the drafter's own vocabulary, drawn by the DraftLoop from the rows `row_at`
+        gives; an empty draft where fewer than draft_min."""
+        draft = Draft(source=source or self.kind.name)
+        for token, q in DraftLoop(context, params, rng, self.p_min if p_min is None else p_min).tokens(k, row_at):
+            draft.tokens.append(token)
+            draft.q.append(q)
+        return draft if len(draft.tokens) >= self.draft_min else Draft()
+
+
+# row_at(i, token before) -> the row draft token i is drawn from, or None where the drafter has none
+RowAt = Callable[[int, "int | None"], "np.ndarray | None"]
+# pick(row, params, history, rng, p_min) -> (token, q or None, top probability), or None: nothing to draft
+Pick = Callable[..., "tuple[int | None, Dist | None, float] | None"]
+
+
+class DraftLoop:
+    """How every drafter that runs a model drafts: token by token from its model's rows, each drawn by `pick`
+    (draft_token: from the sampler chain's q, or greedy) under penalties that see the context and the tokens
+    drafted before it, stopping before a token the draft is unsure of (its top probability under p_min).
+    What differs between drafters is where each row comes from (`row_at`: its model evaluating the token
+    before, or a block's rows) and when they have what they want (they stop iterating)."""
+
+    def __init__(self, context: Sequence[int], params: SamplingParams, rng: np.random.Generator, p_min: float,
+                 pick: Pick | None = None):
+        self.history = penalty_window(context, params)
+        self.params = params
+        self.rng = rng
+        self.p_min = p_min
+        self.pick = pick or draft_token
+        self.unsure: int | None = None  # the token the draft stopped before, unsure of it
+
+    def tokens(self, k: int, row_at: RowAt) -> Iterator[tuple[int, Dist | None]]:
+        """Up to k (token, q). The row of token i is asked for only when the caller asks for token i: a
+        caller that stops has its model evaluate nothing more."""
+        token = None
+        for i in range(k):
+            row = row_at(i, token)
+            if row is None:
+                return
+            picked = self.pick(row, self.params, self.history, self.rng, self.p_min)
+            if picked is None:
+                return
+            token, q, top = picked
+            if top < self.p_min:
+                self.unsure = token
+                return
+            yield token, q
+            if self.params.has_penalty:
+                self.history.append(token)
+
+
+def draft_token(row: np.ndarray, params: SamplingParams, history, rng: np.random.Generator,
+                p_min: float) -> tuple[int, Dist | None, float]:
+    """(token, the distribution q it was drawn from (None: greedy, one-hot), the draft's top probability
+    when p_min asks for it, else 1.0), as a draft model picks each token."""
+    if p_min > 0:  # the token and llama.cpp's confidence from one pass over the row
+        token, q, top = draft_step(row, params, history)
+    elif params.greedy:
+        token, q, top = greedy_token(row, params, history), None, 1.0
+    else:
+        token, q, top = None, process(row, params, history), 1.0
+    if q is not None:
+        token = sample(q, rng)
+    return token, q, top
+
+
+def own_rows(row: np.ndarray, backend: Backend) -> RowAt:
+    """row_at for a model that drafts on its own outputs: `row` (the one after the context) first, then the
+    row after each drafted token, evaluated in place."""
+    return lambda i, token: row if i == 0 else backend.eval([token], [0], in_place=True)[0]
+
 
 class DraftModel(ModelDrafting):
     """A second GGUF model sharing the target's vocabulary: proposes by sampling its own distribution."""
@@ -311,10 +388,8 @@ class DraftModel(ModelDrafting):
     kind = kinds.DRAFT_MODEL
 
     def __init__(self, backend: Backend, p_min: float = 0.0, draft_min: int = 0):
-        super().__init__()
+        super().__init__(p_min, draft_min)
         self.backend = backend
-        self.p_min = p_min
-        self.draft_min = draft_min
         self.held = HeldPrefix(backend)  # how much of the engine's context the cache holds
 
     @classmethod
@@ -342,11 +417,9 @@ class DraftModel(ModelDrafting):
         row = sync(self.backend, context, logits_last=True, known=self.held.known(context))
         if k > 1:  # the drafts evaluated next are cut after the verify (a recurrent model copies its state)
             self.backend.checkpoint()
-        draft = draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(source=self.kind.name),
-                           lambda token: self.backend.eval([token], [0], in_place=True)[0])
+        draft = self._draft(context, k, params, rng, own_rows(row, self.backend))
         self.held.record(context, len(context))
         return draft
-
 
 
 class HiddenRows:
@@ -378,7 +451,51 @@ class HiddenRows:
         return out
 
 
-class HeadDrafter(ModelDrafting, Suspendable):
+class ReadsTarget(ModelDrafting, Suspendable):
+    """A drafter whose model reads what the target hands over as it evaluates (a head: hidden rows or layer
+    inputs; a block drafter: layer inputs), by position, and whose model's cache holds one entry per
+    context token. The target hands them over through `capture(sink)` until `suspend`ed."""
+
+    def __init__(self, head, target, sink: Callable[[int, np.ndarray], None],
+                 capture: Callable[[Callable[[int, np.ndarray], None]], None], p_min: float, draft_min: int):
+        super().__init__(p_min, draft_min)
+        self.head = head
+        self.backend = head  # the KV cache a caller resets, the cost a policy measures
+        self.target = target
+        self.held = HeldPrefix(head)  # how many of the context's entries the head holds
+        self.suspended = False
+        self._sink = sink
+        self._capture = capture
+        capture(sink)
+
+    def suspend(self, suspended: bool) -> None:
+        """A policy will not ask this drafter (it cannot pay here even if always right): the target stops
+        extracting what it reads, until it is resumed. Positions evaluated meanwhile have zero rows until the
+        target evaluates them again: a resumed drafter drafts worse there, never wrongly (each token is
+        verified against its own q)."""
+        if suspended == self.suspended:
+            return
+        self.suspended = suspended
+        if suspended:
+            self.target.stop_capture()
+        else:
+            self._capture(self._sink)
+
+    def _kept(self, context: Sequence[int], end: int, shift: int = 0, redo_last: bool = False) -> int:
+        """Cut the head's entries back to those that still hold context tokens shift..end-1 (entry i holds
+        token i + shift), comparing only past what it is known to hold; how many it keeps. With
+        `redo_last`, never the last of them (its row is wanted again)."""
+        n = end - shift
+        held = self.head.tokens
+        known = min(self.held.known(context), n, len(held))
+        common = known + common_prefix(held[known:], context[shift + known : end])
+        if redo_last and common == n:
+            common -= 1
+        self.head.truncate(common)
+        return common
+
+
+class HeadDrafter(ReadsTarget):
     """A drafting head that reads the target's hidden states: the target's own MTP layers (`MtpHead`) or an
     EAGLE-3 head (`Eagle3Head`), paired as llama.cpp pairs them (common/speculative.cpp).
 
@@ -396,44 +513,20 @@ class HeadDrafter(ModelDrafting, Suspendable):
     What the head reads, and its shift, the head declares (heads.DraftingHead); one that declares nothing
     reads the target's final hidden rows as they are, with shift 0 (MTP's pairing)."""
 
-    def _attach(self) -> None:
-        self._capture(self.hidden.put)
-
-    def suspend(self, suspended: bool) -> None:
-        """A policy will not ask this head (it cannot pay here even if always right): the target stops
-        extracting the rows it reads (4.5% of a tiny target's step), until it is resumed. Rows of the
-        positions evaluated meanwhile are missing (zero rows) until the target evaluates them again: a
-        resumed head drafts worse there, never wrongly (each token is verified against its own q)."""
-        if suspended == self.suspended:
-            return
-        self.suspended = suspended
-        if suspended:
-            self.target.stop_capture()
-        else:
-            self._attach()
+    def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0):
+        declared = isinstance(head, DraftingHead)
+        self.kind = head.drafts_as if declared else kinds.MTP
+        self.shift = head.shift if declared else 0
+        # what the target hands over per token (an EAGLE-3 head's encoder turns it into the rows it pairs)
+        self.hidden = HiddenRows(head.n_embd_in if declared else head.n_embd)
+        self._encode = head.encode if declared else None
+        super().__init__(head, target, self.hidden.put, head.attach if declared else target.capture_hidden,
+                         p_min, draft_min)
 
     def row_of(self, entry: int) -> int:
         """The target row paired with the head's entry `entry`: entry i holds context token i + shift, paired
         with the row of the token before it."""
         return entry + self.shift - 1
-
-    def __init__(self, head, target, p_min: float = 0.0, draft_min: int = 0):
-        super().__init__()
-        declared = isinstance(head, DraftingHead)
-        self.head = head
-        self.kind = head.drafts_as if declared else kinds.MTP
-        self.backend = head  # the KV cache a caller resets, the cost a policy measures
-        self.p_min = p_min
-        self.draft_min = draft_min
-        self.shift = head.shift if declared else 0
-        # what the target hands over per token (an EAGLE-3 head's encoder turns it into the rows it pairs)
-        self.hidden = HiddenRows(head.n_embd_in if declared else head.n_embd)
-        self._encode = head.encode if declared else None
-        self._capture = head.attach if declared else target.capture_hidden
-        self.held = HeldPrefix(head)  # how many of the context's entries the head holds
-        self.target = target
-        self.suspended = False
-        self._attach()
 
     def room(self) -> int:
         return self.head.n_ctx + self.shift
@@ -441,16 +534,10 @@ class HeadDrafter(ModelDrafting, Suspendable):
     def _catch_up(self, context: Sequence[int], end: int, logits: bool) -> np.ndarray | None:
         """Make the head hold the entries of context tokens shift..end-1, evaluating only what differs from
         what it holds; with `logits`, the last entry is evaluated (again), alone, for its row."""
-        n = end - self.shift
-        if n <= 0:
+        if end - self.shift <= 0:
             return None
-        held = self.head.tokens
-        known = min(self.held.known(context), n, len(held))
-        common = known + common_prefix(held[known:], context[self.shift + known : end])
-        if logits and common == n:
-            common -= 1
-        self.head.truncate(common)
-        if common >= n:
+        common = self._kept(context, end, self.shift, redo_last=logits)
+        if common >= end - self.shift:
             return None
         seq = list(context[self.shift + common : end])
         first = self.row_of(common)
@@ -473,52 +560,17 @@ class HeadDrafter(ModelDrafting, Suspendable):
         k = min(k, self.head.n_ctx - (n - self.shift))
         if k <= 0 or n <= self.shift:
             return Draft()
-        row = self._catch_up(context, n, logits=True)
+        first = self._catch_up(context, n, logits=True)
+
+        def row_at(i: int, token: int | None) -> np.ndarray:
+            # each further token goes in with the head's own output row of the step before
+            return first if i == 0 else self.head.eval([token], [0], states=self.head.hidden)[0]
+
         try:
-            return draft_loop(row, k, context, params, rng, self.p_min, self.draft_min, Draft(source=self.kind.name),
-                              lambda token: self.head.eval([token], [0], states=self.head.hidden)[0])
+            return self._draft(context, k, params, rng, row_at)
         finally:
             self.head.truncate(n - self.shift)  # the draft entries carry the head's own rows, not the target's
             self.held.record(context, n - self.shift)
-
-
-def draft_loop(row: np.ndarray, k: int, context: Sequence[int], params: SamplingParams, rng: np.random.Generator,
-               p_min: float, draft_min: int, draft: Draft, next_row: Callable[[int], np.ndarray]) -> Draft:
-    """Up to k tokens drawn one at a time from a model's rows (a draft model's, a head's): `row` follows
-    the context, `next_row(token)` evaluates a drafted token and returns the row after it. Stops before a
-    token whose top probability is under p_min (llama.cpp's --spec-draft-p-min); fewer than draft_min
-    tokens make an empty draft."""
-    history = penalty_window(context, params)
-    for i in range(k):
-        token, q, top = draft_token(row, params, history, rng, p_min)
-        if top < p_min:  # the draft itself is unsure of this token
-            break
-        draft.tokens.append(token)
-        draft.q.append(q)
-        if params.has_penalty:
-            history.append(token)
-        if i < k - 1:
-            row = next_row(token)
-    if len(draft.tokens) < draft_min:
-        return Draft()
-    return draft
-
-
-def draft_token(row: np.ndarray, params: SamplingParams, history, rng: np.random.Generator,
-                p_min: float) -> tuple[int, Dist | None, float]:
-    """(token, the distribution q it was drawn from (None: greedy, one-hot), the draft's top probability
-    when p_min asks for it, else 1.0), as a draft model picks each token."""
-    if p_min > 0:  # the token and llama.cpp's confidence from one pass over the row
-        token, q, top = draft_step(row, params, history)
-    elif params.greedy:
-        token, q, top = greedy_token(row, params, history), None, 1.0
-    else:
-        token, q, top = None, process(row, params, history), 1.0
-    if q is not None:
-        token = sample(q, rng)
-    return token, q, top
-
-
 
 
 # -- the kinds table's factories (loader.Build -> drafter) ---------------------------------------------
@@ -548,19 +600,26 @@ def build_draft_model(build) -> Drafter:
         raise
 
 
+def build_reader(build, status: str, make_head: Callable[[], Any], drafter: type[ReadsTarget]) -> ReadsTarget:
+    """A drafter that reads the target (`drafter`) around the head `make_head` loads; the head closed again
+    where the drafter cannot be made."""
+    build.status(status)
+    head = make_head()
+    try:
+        return drafter(head, build.target, p_min=build.opts.draft_p_min, draft_min=build.opts.draft_min)
+    except BaseException:
+        head.close()
+        raise
+
+
 def build_mtp(build) -> HeadDrafter:
     """The target's own MTP layers (-md mtp, --spec-type draft-mtp)."""
-    build.status(f"creating the MTP context of {build.target_spec.name}")
-    return HeadDrafter(MtpHead(build.target), build.target, p_min=build.opts.draft_p_min,
-                       draft_min=build.opts.draft_min)
+    return build_reader(build, f"creating the MTP context of {build.target_spec.name}",
+                        lambda: MtpHead(build.target), HeadDrafter)
 
 
 def build_eagle3(build) -> HeadDrafter:
     """An EAGLE-3 head trained for this target: it reads the target's layers."""
-    build.status(f"loading EAGLE-3 head {build.spec.name}")
-    head = Eagle3Head(build.target, build.path, n_gpu_layers=build.opts.n_gpu_layers_draft)
-    try:
-        return HeadDrafter(head, build.target, p_min=build.opts.draft_p_min, draft_min=build.opts.draft_min)
-    except BaseException:
-        head.close()
-        raise
+    return build_reader(build, f"loading EAGLE-3 head {build.spec.name}",
+                        lambda: Eagle3Head(build.target, build.path, n_gpu_layers=build.opts.n_gpu_layers_draft),
+                        HeadDrafter)

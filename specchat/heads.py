@@ -11,7 +11,7 @@ import ctypes
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -117,6 +117,36 @@ class HeadBackend(DraftingHead):
         self.reevaluated = 0
         self.rollback_seconds = 0.0
         self._pos = ctypes.c_int32(0)
+
+    def _open_own(self, target: LlamaCppBackend, path: Path, n_gpu_layers: int | None, what: str,
+                  trained_width: Callable[[Any], Any], n_layers: int | None = None,
+                  check: Callable[[Any], None] | None = None) -> tuple[Any, tuple[int, ...], int]:
+        """The head's own file (an EAGLE-3 head, a DFlash draft) loaded beside `target` into `_model`, checked
+        to be trained for it (`trained_width(model)`: the width of the hidden states it reads; the target
+        layers it reads, `n_layers` of them where it says; `check(model)`: anything more), and its context
+        made: (context, the layers it reads, the target's width). Nothing stays loaded where anything fails."""
+        lib = self._lib
+        self._model, self.n_gpu_layers = load_head_model(target, path, n_gpu_layers, what)
+        try:
+            layers = tuple(self._api.target_layers(self._model))
+            target_embd = lib.llama_model_n_embd(target._model)
+            width = trained_width(self._model)
+            if width != target_embd:
+                raise BackendError(f"{what} {path.name} reads hidden states of width {width}; "
+                                   f"{target.name}'s are {target_embd}: it was trained for another target")
+            in_target = all(0 <= lid < target.n_layer for lid in layers)
+            if not layers or n_layers not in (None, len(layers)) or not in_target:
+                raise BackendError(f"{what} {path.name} reads target layers {list(layers)}; {target.name} "
+                                   f"has layers 0..{target.n_layer - 1}: it was trained for another target")
+            if check is not None:
+                check(self._model)
+            ctx = lib.llama_init_from_model(self._model, _head_context_params(lib, target, 0))
+            if not ctx:
+                raise BackendError(f"llama.cpp could not create a context for the {what} {path.name}")
+        except BaseException:
+            lib.llama_model_free(self._model)
+            raise
+        return ctx, layers, target_embd
 
     def attach(self, sink: Callable[[int, np.ndarray], None]) -> None:
         """The target's final hidden row of every token it evaluates, as they are."""
@@ -278,26 +308,8 @@ class Eagle3Head(HeadBackend):
         arch, values = gguf_values(path)
         if arch != "eagle3":
             raise BackendError(f"{path.name} is a {arch} model, not an EAGLE-3 head")
-        self._model, self.n_gpu_layers = load_head_model(target, path, n_gpu_layers, "EAGLE-3 head")
-        ctx = None
-        try:
-            layers = self._api.target_layers(self._model)
-            n_layer = target.n_layer
-            target_embd = lib.llama_model_n_embd(target._model)
-            trained_embd = values.get("target_hidden_size")
-            if trained_embd != target_embd:
-                raise BackendError(f"EAGLE-3 head {path.name} reads hidden states of width {trained_embd}; "
-                                   f"{target.name}'s are {target_embd}: it was trained for another target")
-            if len(layers) != 3 or not all(0 <= lid < n_layer for lid in layers):
-                raise BackendError(f"EAGLE-3 head {path.name} reads target layers {list(layers)}; {target.name} "
-                                   f"has layers 0..{n_layer - 1}: it was trained for another target")
-            ctx = lib.llama_init_from_model(self._model, _head_context_params(lib, target, 0))
-            if not ctx:
-                raise BackendError(f"llama.cpp could not create a context for the EAGLE-3 head {path.name}")
-        except BaseException:
-            lib.llama_model_free(self._model)
-            raise
-        self.layers = tuple(layers)
+        ctx, self.layers, target_embd = self._open_own(target, path, n_gpu_layers, "EAGLE-3 head",
+                                                       lambda model: values.get("target_hidden_size"), n_layers=3)
         self.n_embd_enc = 3 * target_embd
         self._setup(target, ctx, lib.llama_model_n_embd(self._model), path.name, "", n_embd_in=self.n_embd_enc)
         self.path = path

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import kinds
 from .costs import CostModel
-from .drafters import Draft, Forwards, ModelDrafting, Suspendable, draft_loop
+from .drafters import Draft, Forwards, ModelDrafting, Suspendable
 from .errors import BackendError
 from .sampling import SamplingParams
 
@@ -207,11 +207,9 @@ class MedusaDrafter(ModelDrafting, Suspendable):
     backend = None
 
     def __init__(self, heads: MedusaHeads, target, p_min: float = 0.0, draft_min: int = 0):
-        super().__init__()
+        super().__init__(p_min, draft_min)
         self.heads = heads
         self.target = target
-        self.p_min = p_min
-        self.draft_min = draft_min
         self._rows: dict[int, np.ndarray] = {}  # the last decode's final hidden rows, by position
         self.suspended = True
         self.suspend(False)
@@ -255,10 +253,8 @@ class MedusaDrafter(ModelDrafting, Suspendable):
         h = self._rows.get(len(context) - 2)
         if k <= 0 or h is None:  # the first step of a reply: no verified row before the last token yet
             return Draft()
-        rows = self.heads.rows(h)
-        k = min(k, self.heads.n_heads)
-        return draft_loop(rows[0], k, context, params, rng, self.p_min, self.draft_min, Draft(source=self.kind.name),
-                          lambda token, rows=iter(rows[1:]): next(rows))
+        rows = self.heads.rows(h)  # every head at once: head i's row is draft token i's, whatever came before
+        return self._draft(context, min(k, self.heads.n_heads), params, rng, lambda i, before: rows[i])
 
     def offer(self, draft, limit: int):
         return super().offer(draft, min(limit, self.heads.n_heads))

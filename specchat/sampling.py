@@ -1,8 +1,13 @@
 """The speculative sampling rule as pure functions over numpy arrays (Leviathan et al. 2023, Chen et al. 2023).
 
-Nothing here does I/O or knows about models. `process` turns one row of raw logits into the distribution a
-sampler with the user's settings would draw from; the engine runs it for the target (p) and for a draft
-model (q) alike, so both sides of the rule see the same temperature, truncation and penalties.
+Nothing here does I/O or knows about models. Three parts, in this order:
+- `Dist`, a processed distribution held on its support;
+- the rule: `verify` (with `residual` and `sample`), one screen;
+- the sampler chain, written once: penalties and bans -> top-k -> top-p -> min-p -> temperature, in
+  llama.cpp's default order. `process` runs it on one row of raw logits; the engine runs it for the target
+  (p) and for a draft model (q) alike, so both sides of the rule see the same temperature, truncation and
+  penalties. `process_rows` (a verify batch's rows) and `draft_step` (a draft model's row) run the same
+  chain, handing it the rows' top candidates they have found already.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
+
 
 
 @dataclass(frozen=True)
@@ -113,8 +119,8 @@ class Dist:
         self._ids, self._probs = np.array(ids, dtype=np.int64), np.array(probs, dtype=np.float64)
 
     def lists(self) -> tuple[list[int], list[float]]:
-        """The support as Python lists. Right after a decode the CPU caches hold model weights and
-        the first call of each numpy function costs 15-45 us; a loop over a few dozen floats costs less."""
+        """The support as Python lists. Right after a decode the CPU caches hold model weights, and the
+        first call of each numpy function is slower than a Python loop over a few dozen floats."""
         if self._lists is None:
             ids = range(self.n_vocab) if self._ids is None else self._ids.tolist()
             self._lists = (ids, self._probs.tolist())
@@ -182,12 +188,207 @@ class Dist:
         return f"Dist({size} of {self.n_vocab} tokens, top {self.max():.3g})"
 
 
+# -- the rule ----------------------------------------------------------------------------------------------
+
+
+def verify(
+    p: Sequence[Dist | np.ndarray] | _Lazy,
+    q: Sequence[Dist | np.ndarray | None],
+    drafts: Sequence[int],
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """The rule. p has k+1 rows (target at each draft position and one past), q has k rows (None = the
+    drafter was deterministic, q = one-hot). Returns (number of drafts accepted, next token): the next
+    token is the residual sample at the first rejection, or the bonus token drawn from p[k]."""
+    for i, d in enumerate(drafts):
+        p_i = Dist.of(p[i])
+        q_i = q[i]
+        q_d = 1.0 if q_i is None else Dist.of(q_i).prob(d)
+        # u < p/q accepts with probability min(1, p/q); q_d > 0 because d was drawn from q_i
+        if rng.random() * q_d < p_i.prob(d):
+            continue
+        if q_i is None:
+            q_i = one_hot(d, p_i.n_vocab)
+        return i, sample(residual(p_i, q_i), rng)
+    return len(drafts), sample(p[len(drafts)], rng)
+
+
+def verify_greedy(target_argmax: Sequence[int] | _Lazy, drafts: Sequence[int]) -> tuple[int, int]:
+    """Temperature 0: a draft is accepted iff it is the target's argmax; the correction is the argmax."""
+    for i, d in enumerate(drafts):
+        best = target_argmax[i]
+        if best != d:
+            return i, best
+    return len(drafts), target_argmax[len(drafts)]
+
+
+def residual(p: Dist | np.ndarray, q: Dist | np.ndarray) -> Dist:
+    """normalize(max(0, p - q)): what the target still owes after the draft's proposal was rejected.
+    Its support is within p's, so it costs O(support of p)."""
+    p, q = Dist.of(p), Dist.of(q)
+    if p.small():  # the per-step case: a few dozen candidates, in Python (see Dist.lists)
+        ids, probs = p.lists()
+        if q.small():
+            owed = dict(zip(*q.lists()))
+            r = [max(a - owed.get(t, 0.0), 0.0) for t, a in zip(ids, probs)]
+        else:
+            r = [max(a - q.prob(t), 0.0) for t, a in zip(ids, probs)]
+        total = sum(r)
+        return Dist.of_lists(ids, [x / total for x in r], p.n_vocab) if total > 0 else p
+    if p.ids is None:
+        r = p.probs.copy()
+        if q.ids is None:
+            r -= q.probs
+        else:
+            r[q.ids] -= q.probs
+        r = np.maximum(r, 0.0)
+    else:
+        r = np.maximum(p.probs - q.probs_at(p.ids), 0.0)
+    total = r.sum()
+    # total == 0 only if p == q, where a rejection has probability 0; guard against rounding anyway
+    return Dist(p.ids, r / total, p.n_vocab) if total > 0 else p
+
+
+def sample(p: Dist | np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token from p (a Dist, or a dense probability vector)."""
+    p = Dist.of(p)
+    if p.small():
+        # the same draw as below (accumulate adds in cumsum's order), without numpy calls
+        ids, probs = p.lists()
+        cdf = list(accumulate(probs))
+        i = bisect.bisect_right(cdf, rng.random() * cdf[-1])
+        if i >= len(cdf):
+            i = max(j for j, x in enumerate(probs) if x > 0)
+        return ids[i]
+    cdf = np.cumsum(p.probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    if i >= len(cdf):  # u * total rounded up to total: the last token with mass
+        i = int(np.flatnonzero(p.probs)[-1])
+    return i if p.ids is None else int(p.ids[i])
+
+
+def one_hot(token: int, n_vocab: int) -> Dist:
+    return Dist.single(token, n_vocab)
+
+
+class _Lazy:
+    """Row i computed on first access: at a rejection the later positions are never processed. With
+    `make_rest`, row 0 is made alone and rows 1.. together, the first time one of them is needed."""
+
+    def __init__(self, n: int, make, make_rest=None):
+        self._rows: list = [None] * n
+        self._make = make
+        self._make_rest = make_rest
+
+    def __getitem__(self, i: int):
+        row = self._rows[i]
+        if row is None:
+            if i > 0 and self._make_rest is not None:
+                self._rows[1:] = self._make_rest(1)
+                return self._rows[i]
+            row = self._rows[i] = self._make(i)
+        return row
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+def lazy_rows(n: int, make, make_rest=None) -> _Lazy:
+    return _Lazy(n, make, make_rest)
+
+
+# -- the sampler chain -------------------------------------------------------------------------------------
+
+
+def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
+            top: tuple[list[int], list[float]] | None = None) -> Dist:
+    """Raw logits -> the distribution the sampler draws from, on its support: the sampler chain. `history`:
+    the tokens the penalties see (context + drafts so far). `top`: the row's raw top_k + len(banned) entries
+    as top_sorted gives them, where the caller found them already (read only where no penalty applies)."""
+    n_vocab = logits.shape[0]
+    if params.greedy:
+        return Dist.single(greedy_token(logits, params, history), n_vocab)
+    ids, z, total = _candidates(logits, params, history, top)
+    return _truncate(ids, z, params, n_vocab, total)
+
+
+def process_rows(rows: np.ndarray, params: SamplingParams, history, start: int = 0) -> list[Dist]:
+    """[process(rows[i], params, history(i)) for i >= start], the rows' top candidates found together
+    (top_k_rows) where the chain reads them as they are (top-k, no penalty)."""
+    n = rows.shape[1]
+    if params.greedy or params.has_penalty or not 0 < params.top_k < n or len(rows) - start < 2:
+        return [process(rows[i], params, history(i)) for i in range(start, len(rows))]
+    tops = top_k_rows(rows[start:], min(n, params.top_k + len(params.banned_set)))
+    # a row whose top_k_rows declined (None: a tie at the k-th value) has its candidates found by the chain
+    return [process(rows[i], params, (), top) for i, top in enumerate(tops, start)]
+
+
+def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> tuple[int | None, Dist | None, float]:
+    """What a draft model needs of one row: (greedy token or None, q or None, draft_confidence). Where no
+    penalty or ban applies, the row's raw top candidates are the chain's, and one pass over the row finds
+    them and the confidence's both. Greedy returns (token, None, confidence); sampled (None, q, confidence)."""
+    n = logits.shape[0]
+    top = None
+    if not params.has_penalty and not params.banned and n > CONFIDENCE_K:
+        k = CONFIDENCE_K if params.greedy else params.top_k
+        if CONFIDENCE_K <= k < n:
+            top = top_sorted(logits, k)
+    confidence = draft_confidence(logits) if top is None else _confidence(top[1])
+    if params.greedy:  # top_sorted: the lowest id first among equal maxima, like np.argmax
+        return (greedy_token(logits, params, history) if top is None else top[0][0]), None, confidence
+    return None, process(logits, params, history, top), confidence
+
+
+def greedy_token(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> int:
+    """argmax of the penalised row (lowest id on a tie, like np.argmax), without copying the row."""
+    best = int(np.argmax(logits))
+    if not params.has_penalty and best not in params.banned_set:
+        return best  # the per-token path of greedy decoding: one pass over the row
+    changed = _penalised(logits, params, history)
+    if changed is None:
+        return best
+    touched, values = changed
+    if not (touched == best).any() and (values < logits[best]).all():
+        return best
+    ids, z = _top_candidates(logits, changed, 1)
+    return int(ids[z == z.max()].min())
+
+
+def greedy_rows(rows: np.ndarray, params: SamplingParams, history, start: int = 0) -> list[int]:
+    """[greedy_token(rows[i], params, history(i)) for i >= start], one argmax call for all rows when
+    no penalty applies."""
+    if params.has_penalty or len(rows) - start < 2:
+        return [greedy_token(rows[i], params, history(i)) for i in range(start, len(rows))]
+    banned = params.banned_set
+    best = rows[start:].argmax(axis=1).tolist()
+    return [t if t not in banned else greedy_token(rows[start + i], params, ()) for i, t in enumerate(best)]
+
+
+def draft_confidence(logits: np.ndarray) -> float:
+    """How sure a draft model is of its next token, as llama.cpp's --spec-draft-p-min measures it: the
+    top token's probability among the 10 best raw logits at temperature 1 (its draft sampler is top-k 10)."""
+    z = logits[top_k_ids(logits, min(10, logits.shape[0]))].astype(np.float64)
+    return float(1.0 / np.exp(z - z.max()).sum())
+
+
+CONFIDENCE_K = 10  # draft_confidence's top-k
+
+
+def _confidence(z_sorted: list[float]) -> float:
+    """draft_confidence from raw logits already sorted falling (at least CONFIDENCE_K of them)."""
+    top = z_sorted[0]
+    return 1.0 / sum(math.exp(v - top) for v in z_sorted[:CONFIDENCE_K])
+
+
+# the chain's stages: penalties and bans, top-k (the candidates), top-p / min-p / temperature (_truncate)
+
+
 @lru_cache(maxsize=8)
 def _banned(banned: tuple[int, ...]) -> tuple[np.ndarray, frozenset[int]]:
     """The banned ids as a sorted array and as a set, built once per distinct tuple (once per run).
 
     Not np.unique: without return_counts it asks np.ma whether the array is masked, and the first such call
-    of a process imports numpy.ma, 14 ms that landed inside the first step of every reply."""
+    of a process imports numpy.ma, inside the first step of a reply."""
     ids = np.array(sorted(set(banned)), dtype=np.int64)
     ids.flags.writeable = False  # shared by every call with the same tuple
     return ids, frozenset(banned)
@@ -248,6 +449,108 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequenc
     return out
 
 
+def _candidates(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
+                top: tuple[list[int], list[float]] | None = None):
+    """Penalties, bans and top-k: (ids, penalised logits) sorted by falling logit then lowest id, holding
+    every token the rest of the chain can keep, and the mass top-p and min-p measure against. After top-k:
+    Python lists, measured against their own mass (None). Without: the head of the whole vocabulary as
+    arrays (_head) and the whole mass; or, where nothing truncates, ids None and the whole row by id."""
+    n_vocab = logits.shape[0]
+    k = params.top_k
+    changed = _penalised(logits, params, history) if params.has_penalty else None
+    if 0 < k < n_vocab:
+        if changed is None:  # the per-token case: the raw top candidates are the sampler's, bans left out
+            ids, z = top if top is not None else top_sorted(logits, min(n_vocab, k + len(params.banned_set)))
+            banned = params.banned_set
+            if banned:
+                kept = [j for j, t in enumerate(ids) if t not in banned]
+                ids, z = [ids[j] for j in kept], [z[j] for j in kept]
+            if len(ids) >= k:
+                return ids[:k], z[:k], None
+            changed = _penalised(logits, params, ())  # the bans left too few: banned ids at -inf
+        ids, z = _top_candidates(logits, changed, k)
+        ids, z = _sorted(ids.tolist(), z.tolist())
+        return ids[:k], z[:k], None
+    full = logits.astype(np.float64)
+    if changed is not None:
+        full[changed[0]] = changed[1]
+    elif params.banned:
+        full[params.banned_ids] = -np.inf
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        return _head(full, params)
+    return None, full, None
+
+
+def _truncate(ids, z, params: SamplingParams, n_vocab: int, total: float | None) -> Dist:
+    """top-p, min-p and temperature over the candidates `_candidates` found. Lists (a top-k's few dozen) are
+    worked in plain Python, where each numpy call would cost more than the loop (see Dist.lists); arrays (the
+    head of a whole vocabulary) with numpy. Both spell the same arithmetic, in the same order."""
+    if ids is None:  # the whole vocabulary, which nothing truncates
+        w = np.exp((z - z.max()) / params.temperature)
+        return Dist(None, w / w.sum(), n_vocab)
+    arrays = isinstance(z, np.ndarray)
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        keep = _kept(z, params, total, arrays)
+        ids, z = ids[:keep], z[:keep]
+    scale = 1.0 / params.temperature
+    if arrays:
+        w = np.exp((z - z[0]) * scale)
+        w /= w.sum()
+        return Dist(ids, w, n_vocab)
+    top, exp = z[0], math.exp
+    w = [exp((v - top) * scale) for v in z]
+    norm = sum(w)
+    return Dist.of_lists(ids, [x / norm for x in w], n_vocab)
+
+
+def _kept(z, params: SamplingParams, total: float | None, arrays: bool) -> int:
+    """How many of the candidates (sorted by falling logit) top-p and min-p keep, their mass at temperature
+    1 measured against `total` (None: the candidates' own)."""
+    if arrays:
+        base = np.exp(z - z[0])
+        base /= base.sum() if total is None else total
+    else:
+        top, exp = z[0], math.exp
+        base = [exp(v - top) for v in z]
+        norm = sum(base)
+        base = [b / norm for b in base]
+    keep = len(z)
+    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p (at least one token)
+        mass = np.cumsum(base) if arrays else list(accumulate(base))
+        keep = min(keep, bisect.bisect_left(mass, params.top_p) + 1)
+    if params.min_p > 0.0:  # the tokens at least min_p times as likely as the first (at least one)
+        floor = params.min_p * base[0]
+        kept = int(np.count_nonzero(base >= floor)) if arrays else sum(1 for b in base if b >= floor)
+        keep = min(keep, max(1, kept))
+    return keep
+
+
+def _head(full: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, float]:
+    """Whole-vocabulary truncation without sorting the whole vocabulary: (ids sorted by falling logit,
+    their logits, sum of exp(z - max) over ALL tokens). The ids hold every token top-p / min-p can keep:
+    min-p keeps only exp(z - max) >= min_p; top-p keeps a prefix, which lies inside any head already
+    holding top_p of the mass."""
+    z0 = full.max()
+    e = np.exp(full - z0)
+    total = float(e.sum())
+    ids = None
+    if params.min_p > 0.0:
+        ids = np.flatnonzero(e >= params.min_p * (1 - 1e-9))  # loose here; the exact test comes after
+    else:
+        for window in (12.0, 24.0, 48.0):
+            near = np.flatnonzero(full >= z0 - window)
+            if e[near].sum() >= params.top_p * total * (1 + 1e-9):
+                ids = near
+                break
+    if ids is None:
+        ids = np.arange(full.shape[0])
+    ids = ids[np.argsort(-full[ids], kind="stable")]
+    return ids, full[ids], total
+
+
+# -- top-k without sorting the vocabulary ------------------------------------------------------------------
+
+
 SMALL = 256  # supports up to this size are sampled with Python lists (see Dist.lists)
 GROUPS = 32  # top_k_ids splits the vocabulary into this many interleaved slices
 
@@ -301,9 +604,8 @@ def _best(ids: np.ndarray, z: np.ndarray, k: int) -> np.ndarray:
     return ids[np.lexsort((ids, -z))[:k]]
 
 
-def _top_candidates(
-    logits: np.ndarray, params: SamplingParams, changed: tuple[np.ndarray, np.ndarray], k: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _top_candidates(logits: np.ndarray, changed: tuple[np.ndarray, np.ndarray],
+                    k: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids, penalised float64 logits) of a set holding the k best penalised logits (maybe more).
     Untouched tokens keep their raw logits, so the best k of them are among the best k + len(touched)
     raw ones; the touched tokens (`changed`, from _penalised) are added with their new values."""
@@ -315,273 +617,10 @@ def _top_candidates(
     return np.concatenate([raw, touched]), np.concatenate([logits[raw].astype(np.float64), values.astype(np.float64)])
 
 
-def greedy_token(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> int:
-    """argmax of the penalised row (lowest id on a tie, like np.argmax), without copying the row."""
-    best = int(np.argmax(logits))
-    if not params.has_penalty and best not in params.banned_set:
-        return best  # the per-token path of greedy decoding: one pass over the row
-    changed = _penalised(logits, params, history)
-    if changed is None:
-        return best
-    touched, values = changed
-    if not (touched == best).any() and (values < logits[best]).all():
-        return best
-    ids, z = _top_candidates(logits, params, changed, 1)
-    return int(ids[z == z.max()].min())
-
-
-def draft_confidence(logits: np.ndarray) -> float:
-    """How sure a draft model is of its next token, as llama.cpp's --spec-draft-p-min measures it: the
-    top token's probability among the 10 best raw logits at temperature 1 (its draft sampler is top-k 10)."""
-    z = logits[top_k_ids(logits, min(10, logits.shape[0]))].astype(np.float64)
-    return float(1.0 / np.exp(z - z.max()).sum())
-
-
-CONFIDENCE_K = 10  # draft_confidence's top-k
-
-
-def _confidence(z_sorted: list[float]) -> float:
-    """draft_confidence from raw logits already sorted falling (at least CONFIDENCE_K of them)."""
-    top = z_sorted[0]
-    return 1.0 / sum(math.exp(v - top) for v in z_sorted[:CONFIDENCE_K])
-
-
-def draft_step(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> tuple[int | None, Dist | None, float]:
-    """What a draft model needs of one row: (greedy token or None, q or None, draft_confidence), from
-    one pass over the row where the sampler allows it (no penalties or bans: the raw top candidates
-    are the sampler's). Greedy returns (token, None, confidence); sampled returns (None, q, confidence)."""
-    n = logits.shape[0]
-    plain = not params.has_penalty and not params.banned and n > CONFIDENCE_K
-    if params.greedy:
-        if plain:  # the lowest id first among equal maxima, like np.argmax
-            ids, z = top_sorted(logits, CONFIDENCE_K)
-            return ids[0], None, _confidence(z)
-        return greedy_token(logits, params, history), None, draft_confidence(logits)
-    if plain and CONFIDENCE_K <= params.top_k < n:
-        ids, z = top_sorted(logits, params.top_k)
-        return None, _truncate(ids, z, params, n), _confidence(z)
-    return None, process(logits, params, history), draft_confidence(logits)
-
-
 def _sorted(ids: list[int], z: list[float]) -> tuple[list[int], list[float]]:
     """Candidates by falling logit, then lowest id (the order top-p keeps a prefix of)."""
     pairs = sorted(zip([-v for v in z], ids))
     return [t for _, t in pairs], [-v for v, _ in pairs]
-
-
-def _truncate(ids: list[int], z: list[float], params: SamplingParams, n_vocab: int) -> Dist:
-    """top-p, min-p and temperature over candidates sorted by falling logit, in plain Python: a few
-    dozen floats, where each numpy call would cost more than the loop (see Dist.lists)."""
-    top = z[0]
-    exp = math.exp
-    keep = len(z)
-    if params.top_p < 1.0 or params.min_p > 0.0:
-        base = [exp(v - top) for v in z]
-        norm = sum(base)
-        base = [b / norm for b in base]
-        if params.top_p < 1.0:
-            # smallest prefix whose mass reaches top_p (at least one token)
-            mass = 0.0
-            for j, b in enumerate(base):
-                mass += b
-                if mass >= params.top_p:
-                    keep = j + 1
-                    break
-        if params.min_p > 0.0:
-            floor = params.min_p * base[0]
-            keep = min(keep, max(1, sum(1 for b in base if b >= floor)))
-    scale = 1.0 / params.temperature
-    w = [exp((v - top) * scale) for v in z[:keep]]
-    norm = sum(w)
-    return Dist.of_lists(ids[:keep], [x / norm for x in w], n_vocab)
-
-
-def _head(full: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, float]:
-    """Whole-vocabulary truncation without sorting the whole vocabulary: (ids sorted by falling logit,
-    their logits, sum of exp(z - max) over ALL tokens). The ids hold every token top-p / min-p can keep:
-    min-p keeps only exp(z - max) >= min_p; top-p keeps a prefix, which lies inside any head already
-    holding top_p of the mass."""
-    z0 = full.max()
-    e = np.exp(full - z0)
-    total = float(e.sum())
-    ids = None
-    if params.min_p > 0.0:
-        ids = np.flatnonzero(e >= params.min_p * (1 - 1e-9))  # loose here; the exact test comes after
-    else:
-        for window in (12.0, 24.0, 48.0):
-            near = np.flatnonzero(full >= z0 - window)
-            if e[near].sum() >= params.top_p * total * (1 + 1e-9):
-                ids = near
-                break
-    if ids is None:
-        ids = np.arange(full.shape[0])
-    ids = ids[np.argsort(-full[ids], kind="stable")]
-    return ids, full[ids], total
-
-
-def _from_top(ids: list[int], z: list[float], params: SamplingParams, n_vocab: int) -> Dist | None:
-    """The sampler's distribution from a row's top_k + len(banned) raw candidates, sorted falling:
-    bans left out, then top-k, top-p, min-p, temperature. None when the bans leave fewer than top_k."""
-    banned = params.banned_set
-    if banned:
-        kept = [j for j, t in enumerate(ids) if t not in banned]
-        if len(kept) < params.top_k:
-            return None
-        ids, z = [ids[j] for j in kept], [z[j] for j in kept]
-    return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
-
-
-def process(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> Dist:
-    """Raw logits -> the distribution the sampler draws from, on its support.
-
-    Order follows llama.cpp's default chain: penalties, top-k, top-p, min-p, temperature. With top-k the
-    work is on the candidate set only; without it (top-k 0) the distribution is the only dense one.
-    """
-    n_vocab = logits.shape[0]
-    if params.greedy:
-        return Dist.single(greedy_token(logits, params, history), n_vocab)
-    # bans alone are handled by leaving the banned ids out of the top-k candidates
-    changed = _penalised(logits, params, history) if params.has_penalty else None
-    truncates = params.top_p < 1.0 or params.min_p > 0.0
-    total = None
-    if 0 < params.top_k < n_vocab:
-        if changed is None:  # the per-token case: the raw top candidates are the sampler's
-            dist = _from_top(*top_sorted(logits, min(n_vocab, params.top_k + len(params.banned_set))), params, n_vocab)
-            if dist is not None:
-                return dist
-            changed = _penalised(logits, params, ())  # the bans left too few: banned ids at -inf
-        ids, z = _top_candidates(logits, params, changed, params.top_k)
-        ids, z = _sorted(ids.tolist(), z.tolist())
-        return _truncate(ids[: params.top_k], z[: params.top_k], params, n_vocab)
-    else:
-        full = logits.astype(np.float64)
-        if changed is not None:
-            full[changed[0]] = changed[1]
-        elif params.banned:
-            full[params.banned_ids] = -np.inf
-        if not truncates:
-            w = np.exp((full - full.max()) / params.temperature)
-            return Dist(None, w / w.sum(), n_vocab)
-        ids, z, total = _head(full, params)
-    if truncates:
-        base = np.exp(z - z[0])
-        base /= base.sum() if total is None else total
-        keep = len(z)
-        if params.top_p < 1.0:
-            # smallest prefix whose mass reaches top_p (at least one token)
-            keep = min(keep, int(np.searchsorted(np.cumsum(base), params.top_p, side="left")) + 1)
-        if params.min_p > 0.0:
-            keep = min(keep, max(1, int(np.count_nonzero(base >= params.min_p * base[0]))))
-        ids, z = ids[:keep], z[:keep]
-    w = np.exp((z - z[0]) * (1.0 / params.temperature))
-    w /= w.sum()
-    return Dist(ids, w, n_vocab)
-
-
-def one_hot(token: int, n_vocab: int) -> Dist:
-    return Dist.single(token, n_vocab)
-
-
-def sample(p: Dist | np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token from p (a Dist, or a dense probability vector)."""
-    p = Dist.of(p)
-    if p.small():
-        # the same draw as below (accumulate adds in cumsum's order), without numpy calls
-        ids, probs = p.lists()
-        cdf = list(accumulate(probs))
-        i = bisect.bisect_right(cdf, rng.random() * cdf[-1])
-        if i >= len(cdf):
-            i = max(j for j, x in enumerate(probs) if x > 0)
-        return ids[i]
-    cdf = np.cumsum(p.probs)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    if i >= len(cdf):  # u * total rounded up to total: the last token with mass
-        i = int(np.flatnonzero(p.probs)[-1])
-    return i if p.ids is None else int(p.ids[i])
-
-
-def residual(p: Dist | np.ndarray, q: Dist | np.ndarray) -> Dist:
-    """normalize(max(0, p - q)): what the target still owes after the draft's proposal was rejected.
-    Its support is within p's, so it costs O(support of p)."""
-    p, q = Dist.of(p), Dist.of(q)
-    if p.small():  # the per-step case: a few dozen candidates, in Python (see Dist.lists)
-        ids, probs = p.lists()
-        if q.small():
-            owed = dict(zip(*q.lists()))
-            r = [max(a - owed.get(t, 0.0), 0.0) for t, a in zip(ids, probs)]
-        else:
-            r = [max(a - q.prob(t), 0.0) for t, a in zip(ids, probs)]
-        total = sum(r)
-        return Dist.of_lists(ids, [x / total for x in r], p.n_vocab) if total > 0 else p
-    if p.ids is None:
-        r = p.probs.copy()
-        if q.ids is None:
-            r -= q.probs
-        else:
-            r[q.ids] -= q.probs
-        r = np.maximum(r, 0.0)
-    else:
-        r = np.maximum(p.probs - q.probs_at(p.ids), 0.0)
-    total = r.sum()
-    # total == 0 only if p == q, where a rejection has probability 0; guard against rounding anyway
-    return Dist(p.ids, r / total, p.n_vocab) if total > 0 else p
-
-
-def verify(
-    p: Sequence[Dist | np.ndarray] | _Lazy,
-    q: Sequence[Dist | np.ndarray | None],
-    drafts: Sequence[int],
-    rng: np.random.Generator,
-) -> tuple[int, int]:
-    """The rule. p has k+1 rows (target at each draft position and one past), q has k rows (None = the
-    drafter was deterministic, q = one-hot). Returns (number of drafts accepted, next token): the next
-    token is the residual sample at the first rejection, or the bonus token drawn from p[k]."""
-    for i, d in enumerate(drafts):
-        p_i = Dist.of(p[i])
-        q_i = q[i]
-        q_d = 1.0 if q_i is None else Dist.of(q_i).prob(d)
-        # u < p/q accepts with probability min(1, p/q); q_d > 0 because d was drawn from q_i
-        if rng.random() * q_d < p_i.prob(d):
-            continue
-        if q_i is None:
-            q_i = one_hot(d, p_i.n_vocab)
-        return i, sample(residual(p_i, q_i), rng)
-    return len(drafts), sample(p[len(drafts)], rng)
-
-
-def verify_greedy(target_argmax: Sequence[int] | _Lazy, drafts: Sequence[int]) -> tuple[int, int]:
-    """Temperature 0: a draft is accepted iff it is the target's argmax; the correction is the argmax."""
-    for i, d in enumerate(drafts):
-        best = target_argmax[i]
-        if best != d:
-            return i, best
-    return len(drafts), target_argmax[len(drafts)]
-
-
-class _Lazy:
-    """Row i computed on first access: at a rejection the later positions are never processed. With
-    `make_rest`, row 0 is made alone and rows 1.. together, the first time one of them is needed."""
-
-    def __init__(self, n: int, make, make_rest=None):
-        self._rows: list = [None] * n
-        self._make = make
-        self._make_rest = make_rest
-
-    def __getitem__(self, i: int):
-        row = self._rows[i]
-        if row is None:
-            if i > 0 and self._make_rest is not None:
-                self._rows[1:] = self._make_rest(1)
-                return self._rows[i]
-            row = self._rows[i] = self._make(i)
-        return row
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-
-def lazy_rows(n: int, make, make_rest=None) -> _Lazy:
-    return _Lazy(n, make, make_rest)
 
 
 @lru_cache(maxsize=32)
@@ -597,7 +636,7 @@ def top_k_rows(rows: np.ndarray, k: int) -> list[tuple[list[int], list[float]] |
     lowest id), exactly top_k_ids' answer in _sorted's order; or None where this cannot be sure of it (a
     tie at the k-th value, a vocabulary that is not a multiple of GROUPS, a short row), and the caller
     uses top_k_ids. One set of numpy calls for all rows: right after a decode the first call of each
-    numpy function costs 15-45 us, whatever its size.
+    numpy function is slow, whatever its size (see Dist.lists).
 
     top_k_ids' bound, per row: take the k + 1 columns with the largest maxima; every other column's
     entries are at most the smallest of those maxima, c. The k + 1 largest entries of the chosen columns
@@ -624,27 +663,3 @@ def top_k_rows(rows: np.ndarray, k: int) -> list[tuple[list[int], list[float]] |
         else:
             out.append(None)
     return out
-
-
-def process_rows(rows: np.ndarray, params: SamplingParams, history, start: int = 0) -> list[Dist]:
-    """[process(rows[i], params, history(i)) for i >= start], batched where the sampler allows it
-    (top-k, no penalties: every row's candidates are its raw top entries)."""
-    n = rows.shape[1]
-    if params.greedy or params.has_penalty or not 0 < params.top_k < n or len(rows) - start < 2:
-        return [process(rows[i], params, history(i)) for i in range(start, len(rows))]
-    out = []
-    for i, top in enumerate(top_k_rows(rows[start:], min(n, params.top_k + len(params.banned_set))), start):
-        dist = None if top is None else _from_top(*top, params, n)
-        # None: a tie at the k-th value, or bans that left too few tokens: the general path decides
-        out.append(dist if dist is not None else process(rows[i], params, ()))
-    return out
-
-
-def greedy_rows(rows: np.ndarray, params: SamplingParams, history, start: int = 0) -> list[int]:
-    """[greedy_token(rows[i], params, history(i)) for i >= start], one argmax call for all rows when
-    no penalty applies."""
-    if params.has_penalty or len(rows) - start < 2:
-        return [greedy_token(rows[i], params, history(i)) for i in range(start, len(rows))]
-    banned = params.banned_set
-    best = rows[start:].argmax(axis=1).tolist()
-    return [t if t not in banned else greedy_token(rows[start + i], params, ()) for i, t in enumerate(best)]
