@@ -1,6 +1,8 @@
 """specchat's command line: the Typer app, the one table of its commands, and `main`, which turns every
-SpecchatError into one line and exit code 2. The commands live in their own modules (prompt_command,
-models_view, report.command, chat, rpc_command); nothing here touches a model."""
+SpecchatError into one line and exit code 2. The app's command classes (Typer's `cls=`) show every alias of
+a flag on its help page and carry a Ctrl-C past Typer to `main`; importing this module changes nothing
+in Typer. The commands live in their own modules (prompt_command, models_view, report.command, chat,
+rpc_command); nothing here touches a model."""
 
 from __future__ import annotations
 
