@@ -59,21 +59,21 @@ def _one_flag_name_a_line():
         rich_utils.highlighter, rich_utils.negative_highlighter = saved
 
 
-class SpecchatCommand(TyperCommand):
-    """A command whose help page shows every alias of a flag (see _one_flag_name_a_line)."""
+class _EveryAlias:
+    """A help page that shows every alias of a flag (see _one_flag_name_a_line)."""
 
     def format_help(self, ctx, formatter) -> None:
         with _one_flag_name_a_line():
             super().format_help(ctx, formatter)
 
 
-class SpecchatGroup(TyperGroup):
-    """The app: its help page as SpecchatCommand's, and a KeyboardInterrupt inside a command carried out
-    as _Interrupted, for `main` to report (Typer would end with a silent 130)."""
+class SpecchatCommand(_EveryAlias, TyperCommand):
+    """Each command of the app (`app.command(cls=...)`)."""
 
-    def format_help(self, ctx, formatter) -> None:
-        with _one_flag_name_a_line():
-            super().format_help(ctx, formatter)
+
+class SpecchatGroup(_EveryAlias, TyperGroup):
+    """The app (`typer.Typer(cls=...)`): a KeyboardInterrupt inside a command is carried out as
+    _Interrupted, for `main` to report (Typer would end with a silent 130)."""
 
     def invoke(self, ctx):
         try:
