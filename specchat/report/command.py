@@ -171,7 +171,7 @@ def report_command(
                              for name, by_phase in phases.items()}
     paths = write_outputs(doc, out)
     if keep_replies:
-        from ..history import save_replies  # start-up: 50 ms (prompt lookup's n-gram store)
+        from ..history import save_replies  # start-up: 50 ms with prompt lookup, which it imports
 
         save_replies((r.text for r in records if r.setting == BASELINE), target=loaded.target_spec.name)
     console.print(f"[bold]{doc['target']}[/] drafted by [bold]{doc['drafter']}[/] · {len(items)} prompts · "
