@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .. import options as opt
+from .. import runner  # (its functions are looked up when called: tests put fakes there)
 from ..config import load_config
 from ..costs import cost_cache_key, recalibrate
 from ..drafters import members, own_backends, run_info, run_label
@@ -19,7 +20,6 @@ from ..loader import make_policy
 from ..paths import cache_dir
 from ..policy import FixedPolicy, Policy
 from ..reasoning import budget_for, prepare as prepare_reasoning
-from ..runner import activity, loading, measuring_notice, run_options
 from ..stats import RunStats
 from ..template import has_template, render, render_text
 from ..ui import phases_line
@@ -66,9 +66,9 @@ def measure_again(loaded, console) -> None:
     for backend in (loaded.target, *own_backends(loaded.drafter)):
         backends.setdefault(cost_cache_key(backend), backend)  # a self-pair's draft costs what its target does
 
-    notify = measuring_notice(console)  # "measuring this machine again for M (about N s): as asked (--recalibrate)"
+    notify = runner.measuring_notice(console)  # "measuring this machine again for M (about N s): as asked (--recalibrate)"
     for backend in backends.values():
-        with activity(f"measuring this machine again ({backend.name}); its saved costs were kept"):
+        with runner.activity(f"measuring this machine again ({backend.name}); its saved costs were kept"):
             recalibrate(backend, cache_dir() / "costs.json", notify)
 
 
@@ -113,10 +113,10 @@ def report_command(
     config = load_config()
     keep_replies = run.lookup_history
     # every setting is explicit (--draft-fixed is one of them); the report never reads earlier replies
-    run = run_options(config, dataclasses.replace(run, draft_fixed=None, lookup_history=False))
+    run = runner.run_options(config, dataclasses.replace(run, draft_fixed=None, lookup_history=False))
     err = Console(stderr=True, no_color=no_color)
     console = Console(no_color=no_color)
-    with loading(config, run, err) as loaded:
+    with runner.loading(config, run, err) as loaded:
         if recalibrate:
             measure_again(loaded, err)
         params = run.for_target(loaded.target)
@@ -134,7 +134,7 @@ def report_command(
         def policy_for(setting: Setting) -> Policy:
             if setting.k is None:
                 return make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
-                                   notify=measuring_notice(err))
+                                   notify=runner.measuring_notice(err))
             return FixedPolicy(setting.k)
 
         total = sum(len(i.turns) for i in items) * len(settings)
