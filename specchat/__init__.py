@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+from .config import load_config
 from .conversation import Conversation
 from .engine import Finished, StepEvent, TokenEvent, generate
 from .loader import Loaded, LoadOptions, Selection, load, select
@@ -36,8 +37,6 @@ def load_pair(pair: str | None = None, *, target: str | None = None, draft: str 
               **options) -> Loaded:
     """Load a pair by name from models.toml, or a target (-m) and drafter (-md) by name, path or hub ref.
     `options` are LoadOptions fields (n_ctx, n_gpu_layers, n_threads, draft_p_min, ...)."""
-    from .config import load_config
-
     config = load_config()
     selection = select(config, pair=pair, target=target, draft=draft, no_spec=False)
     return load(config, selection, LoadOptions(**options))

@@ -21,6 +21,7 @@ from rich.text import Text
 from . import options as opt
 from . import rpc, slash, ui
 from .backend import sync
+from .config import load_config
 from .conversation import Conversation, Turn
 from .drafters import run_label
 from .errors import BackendError, SpecchatError
@@ -32,6 +33,11 @@ from .slash import KEYS
 from .stats import RunStats
 from .template import chat_format
 from .transcript import Resumed, Transcript, read_transcript
+
+try:
+    import termios
+except ImportError:  # not on Windows: keys typed ahead are echoed there
+    termios = None
 
 
 class ChatSession:
@@ -324,13 +330,13 @@ def no_echo(stream=None):
     for the next prompt, and Ctrl-C still interrupts)."""
     stream = stream if stream is not None else sys.stdin
     try:
-        import termios
-
+        if termios is None:
+            raise OSError
         fd = stream.fileno()
         if not os.isatty(fd):
             raise OSError
         saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):
         yield
         return
     quiet = list(saved)
@@ -343,7 +349,7 @@ def no_echo(stream=None):
 
 
 def _history(path: Path, warn: Callable[[str], None]):
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.history import FileHistory, InMemoryHistory  # start-up: prompt_toolkit takes 0.45 s
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -359,6 +365,7 @@ def prompt_reader(no_color: bool, warn: Callable[[str], None] = lambda message: 
                   default: str = "") -> Callable[[], str]:
     """A prompt-toolkit session: history file, multi-line input, slash-command completion.
     Raises EOFError to leave (Ctrl-D, or Ctrl-C on an empty line)."""
+    # start-up: prompt_toolkit takes 0.45 s to import; only an interactive chat needs it
     from prompt_toolkit import PromptSession
     from prompt_toolkit.completion import Completer, Completion
     from prompt_toolkit.key_binding import KeyBindings
@@ -456,8 +463,6 @@ def chat_command(
 
     Prompts are what llama.cpp (llama-server --jinja) renders for the same messages. The chat template comes from --chat-template / --chat-template-file, else models.toml, else the target's GGUF metadata; a model without one (a base model such as gemma-3-270m) gets a plain "User: / Assistant:" transcript. Each message is appended to a JSONL transcript in $XDG_DATA_HOME/specchat/transcripts as soon as it is final; --resume FILE continues one.
     """
-    from .config import load_config
-
     config = load_config()
     run = run_options(config, run)
     if system is not None:

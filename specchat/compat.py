@@ -22,7 +22,7 @@ from .errors import BackendError
 
 def libllama() -> ctypes.CDLL:
     """llama-cpp-python's handle on libllama (`llama_cpp.llama_cpp._lib`), for symbols it does not bind."""
-    import llama_cpp.llama_cpp as low
+    import llama_cpp.llama_cpp as low  # start-up: llama_cpp takes 0.4 s to import
 
     return getattr(low, "_lib", None)
 
@@ -35,7 +35,7 @@ def model_devices(handles: Sequence[int] | None):
     `Llama(...)` builds its model params from llama_model_default_params() and exposes no `devices`; this
     wraps that one function for the duration of the load. The array only has to live through the load:
     llama.cpp copies the list into the model."""
-    import llama_cpp.llama_cpp as low
+    import llama_cpp.llama_cpp as low  # start-up: llama_cpp takes 0.4 s to import
 
     if handles is None:
         yield
@@ -70,7 +70,7 @@ def context_params(flash_attn: str, n_rs_seq: int = 0, load_mtp: bool = False, o
     per sequence, see memory.MemoryKind), `n_seq_max` and `load_mtp` have no keyword at all. This wraps
     the two classes that receive the params (`llama_cpp._internals.LlamaContext` / `LlamaModel`) for the
     duration of the load."""
-    import llama_cpp
+    import llama_cpp  # start-up: llama_cpp takes 0.4 s to import
     import llama_cpp._internals as internals
 
     value = {
@@ -194,7 +194,7 @@ def nextn_api() -> NextnAPI:
     """The staging API, or a one-line BackendError naming the llama-cpp-python version that has it."""
     global _nextn_api
     if _nextn_api is None:
-        import llama_cpp
+        import llama_cpp  # start-up: llama_cpp takes 0.4 s to import
         import llama_cpp.llama_cpp as low
 
         version = getattr(llama_cpp, "__version__", "?")

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import kinds, paths
 from .errors import SpecchatError
+from .rpc import RpcError, parse_endpoints
 
 
 SOURCE_KEYS = ("path", "hub", "package", "parts")
@@ -376,8 +377,6 @@ class _File:
         """`rpc = "host:port,host:port"` or a list of "host:port" strings."""
         if "rpc" not in body:
             return ()
-        from .rpc import RpcError, parse_endpoints
-
         value = body["rpc"]
         if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value))):
             raise self.error(keys + ("rpc",), f'must be "HOST:PORT[,HOST:PORT...]" or a list of them, not {_toml_type(value)}')

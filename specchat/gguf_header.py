@@ -6,6 +6,8 @@ backends, without loading anything. Not `gguf.py`: that would shadow the `gguf` 
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,9 +84,6 @@ def gguf_layout(path: Path, tensors: bool = True) -> GGUFLayout | None:
 
     Read through a memory map, not file reads and seeks: a vocabulary and its merges are some 100k-300k
     strings that only need skipping, a noticeable part of a load read that way."""
-    import mmap
-    import struct
-
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
     ints = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 10: "Q", 11: "q"}
     length = struct.Struct("<Q").unpack_from

@@ -9,6 +9,9 @@ from typing import Annotated
 
 import typer
 
+from . import ui
+from .loader import default_threads
+from .paths import cache_dir
 from .rpc import DEFAULT_PORT, RpcError, check_port_free, serve_devices, start_server_thread
 
 WARNING = (
@@ -29,10 +32,6 @@ def rpc_server_command(
     It serves one client at a time and runs until Ctrl-C or SIGTERM. Loopback unless --host says otherwise;
     the protocol has no authentication, so only ever listen on a network you trust.
     """
-    from . import ui
-    from .loader import default_threads
-    from .paths import cache_dir
-
     err = ui.make_console(stderr=True)
 
     def say(text: str, style: str = "") -> None:

@@ -4,21 +4,26 @@ pair behind a spinner, read the prompt. User mistakes raise errors.UserError (on
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rich.console import Console
+from rich.errors import MissingStyle
 
 from .backend import FLASH_ATTN, Backend
 from . import kinds
 from .config import Config
+from .crossvocab import check_rule
 from .errors import UserError
 from .kinds import DrafterKind
 from .loader import LoadOptions, Selection, load, make_policy, select
 from .options import MAX_THREADS, RunArgs
-from .reasoning import ReasoningOptions
+from .reasoning import FORMATS, ReasoningOptions
+from .rpc import parse_endpoints
 from .sampling import SamplingParams
+from .template import parse_kwargs, template_from_file, template_from_text
 
 
 class Terminated(KeyboardInterrupt):
@@ -31,8 +36,6 @@ class Terminated(KeyboardInterrupt):
 
     @property
     def name(self) -> str:
-        import signal
-
         return signal.Signals(self.signum).name
 
 
@@ -49,6 +52,11 @@ def activity(what: str):
     _activity.append(what)
     yield
     del _activity[depth:]
+
+
+def clear_activity() -> None:
+    """Forget what an earlier command in this process was doing (cli.main, as a command starts)."""
+    _activity.clear()
 
 
 def current_activity() -> str | None:
@@ -125,8 +133,6 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
     flash_attn = args.flash_attn.strip().lower()
     if flash_attn not in FLASH_ATTN:
         raise UserError(f"-fa/--flash-attn must be one of {', '.join(FLASH_ATTN)}, got {args.flash_attn!r}")
-    from .crossvocab import check_rule
-
     try:
         cross_vocab = check_rule(args.cross_vocab)
     except ValueError as e:
@@ -163,8 +169,6 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
 def template_options(args: RunArgs):
     """--chat-template / --chat-template-file (one of them) and --chat-template-kwargs, read and checked
     before any model loads: a mistake is one line."""
-    from .template import parse_kwargs, template_from_file, template_from_text
-
     if args.chat_template is not None and args.chat_template_file is not None:
         raise UserError("give --chat-template or --chat-template-file, not both")
     chosen = None
@@ -186,8 +190,6 @@ REASONING = {"on": True, "off": False, "auto": None}
 def reasoning_kwargs(args: RunArgs) -> dict | None:
     """-rea / --reasoning-effort / --reasoning-preserve as the template variables llama.cpp sets for them
     (common/arg.cpp: enable_thinking, reasoning_effort, preserve_reasoning); None when none is given."""
-    from .reasoning import FORMATS
-
     word = args.reasoning.strip().lower()
     if word not in REASONING:
         raise UserError(f"-rea/--reasoning must be one of on, off, auto, got {args.reasoning!r}")
@@ -246,8 +248,6 @@ def rpc_endpoints(text: str | None) -> tuple[str, ...] | None:
         return None
     if text.strip().lower() in ("off", "none", "local", ""):
         return ()
-    from .rpc import parse_endpoints
-
     return parse_endpoints(text)
 
 
@@ -273,9 +273,6 @@ def loading(config: Config, run: RunOptions, console: Console):
 def measuring_notice(console: Console):
     """The `notify` for make_policy: one visible line before a calibration (the first run on a machine,
     or a saved one measured again, with why), and the activity a Ctrl-C then reports."""
-
-    from rich.errors import MissingStyle
-
     try:
         style = console.get_style("spec.notice")  # the chat's theme; a plain console has no such style
     except MissingStyle:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 
 from . import ui
+from .runner import REASONING
 from .transcript import Transcript
 
 if TYPE_CHECKING:
@@ -138,8 +139,6 @@ def _thought(session: ChatSession, arg: str) -> None:
 
 
 def _reasoning(session: ChatSession, arg: str) -> None:
-    from .runner import REASONING
-
     if arg not in REASONING:
         session.notice("/reasoning takes on, off or auto", "spec.error")
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -238,3 +239,31 @@ def test_models_prints_no_llama_log_and_text_as_written(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "llama" not in result.stderr and "n_ctx" not in result.stderr, result.stderr
     assert "the [models] extra" in result.stdout
+
+
+# --- the help page --------------------------------------------------------------------------------
+
+
+def test_help_shows_one_flag_name_a_line_at_a_narrow_width_and_leaves_typer_as_it_was(cli, monkeypatch):
+    """Typer joins a flag's names with ','; specchat's commands break them one a line (a name is never cut
+    with '…', even where the help text beside it is), for the help page only: Typer's highlighters are its
+    own again afterwards."""
+    from typer import rich_utils
+
+    before = rich_utils.highlighter, rich_utils.negative_highlighter
+    monkeypatch.setenv("COLUMNS", "60")
+    result = cli("prompt", "--help")
+    assert result.returncode == 0
+    assert not re.search(r"--[\w-]+,-", result.stdout), result.stdout
+    rows = [line.replace("│", " ").split() for line in result.stdout.splitlines()]
+    names = [words[0] for words in rows if words and words[0].startswith("--")]
+    assert not [name for name in names if "…" in name], result.stdout
+    assert names[names.index("--draft"):names.index("--draft") + 3] == ["--draft", "--model-draft", "--spec-draft-model"]
+    assert (rich_utils.highlighter, rich_utils.negative_highlighter) == before
+
+
+def test_importing_the_cli_patches_nothing_and_loads_no_help_renderer():
+    """`import specchat.cli` leaves typer.rich_utils unloaded (0.4 s that only a help page needs)."""
+    code = "import sys, specchat.cli; print('typer.rich_utils' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr

@@ -7,13 +7,21 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.text import Text
 
 from .. import options as opt
+from .. import runner  # (its functions are looked up when called: tests put fakes there)
+from ..config import load_config
+from ..costs import cost_cache_key, recalibrate
 from ..drafters import members, own_backends, run_info, run_label
 from ..errors import UserError
 from ..loader import make_policy
+from ..paths import cache_dir
 from ..policy import FixedPolicy, Policy
+from ..reasoning import budget_for, prepare as prepare_reasoning
 from ..stats import RunStats
+from ..template import has_template, render, render_text
 from ..ui import phases_line
 from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting, load_prompts, parse_sweep, select_prompts
 from .render import (TERMINAL_POSITIONS, build_doc, check_out_dir, number_text, rich_tables, speedup_text, table_specs,
@@ -54,17 +62,13 @@ def projection_basis(pr: dict) -> str:
 def measure_again(loaded, console) -> None:
     """--recalibrate: time the target (and a draft model or head, whose cost the policy reads too) afresh
     and replace what the cost cache held for them, observations included."""
-    from ..costs import cost_cache_key, recalibrate
-    from ..paths import cache_dir
-    from ..runner import activity, measuring_notice
-
     backends = {}
     for backend in (loaded.target, *own_backends(loaded.drafter)):
         backends.setdefault(cost_cache_key(backend), backend)  # a self-pair's draft costs what its target does
 
-    notify = measuring_notice(console)  # "measuring this machine again for M (about N s): as asked (--recalibrate)"
+    notify = runner.measuring_notice(console)  # "measuring this machine again for M (about N s): as asked (--recalibrate)"
     for backend in backends.values():
-        with activity(f"measuring this machine again ({backend.name}); its saved costs were kept"):
+        with runner.activity(f"measuring this machine again ({backend.name}); its saved costs were kept"):
             recalibrate(backend, cache_dir() / "costs.json", notify)
 
 
@@ -97,14 +101,8 @@ def report_command(
     Recommends the setting with the best measured end-to-end speedup.
     Writes report.json (every run), report.md and report.png to --out. Greedy (--temp 0) by default.
     """
-    from rich.console import Console
-    from rich.text import Text
+    # start-up: rich.progress takes 20 ms to import; only a report's run needs it
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from ..config import load_config
-    from ..runner import loading, measuring_notice, run_options
-    from ..reasoning import budget_for, prepare as prepare_reasoning
-    from ..template import has_template, render, render_text
 
     if recalibrate and run.reproducible:
         raise UserError("--recalibrate measures this machine's costs and --reproducible uses fixed ones: drop one")
@@ -115,10 +113,10 @@ def report_command(
     config = load_config()
     keep_replies = run.lookup_history
     # every setting is explicit (--draft-fixed is one of them); the report never reads earlier replies
-    run = run_options(config, dataclasses.replace(run, draft_fixed=None, lookup_history=False))
+    run = runner.run_options(config, dataclasses.replace(run, draft_fixed=None, lookup_history=False))
     err = Console(stderr=True, no_color=no_color)
     console = Console(no_color=no_color)
-    with loading(config, run, err) as loaded:
+    with runner.loading(config, run, err) as loaded:
         if recalibrate:
             measure_again(loaded, err)
         params = run.for_target(loaded.target)
@@ -136,7 +134,7 @@ def report_command(
         def policy_for(setting: Setting) -> Policy:
             if setting.k is None:
                 return make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
-                                   notify=measuring_notice(err))
+                                   notify=runner.measuring_notice(err))
             return FixedPolicy(setting.k)
 
         total = sum(len(i.turns) for i in items) * len(settings)
@@ -173,7 +171,7 @@ def report_command(
                              for name, by_phase in phases.items()}
     paths = write_outputs(doc, out)
     if keep_replies:
-        from ..history import save_replies
+        from ..history import save_replies  # start-up: 50 ms with prompt lookup, which it imports
 
         save_replies((r.text for r in records if r.setting == BASELINE), target=loaded.target_spec.name)
     console.print(f"[bold]{doc['target']}[/] drafted by [bold]{doc['drafter']}[/] · {len(items)} prompts · "

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from rich import box
+from rich.table import Table
+
 from ..errors import UserError
 from ..sampling import SamplingParams
 from .aggregate import PROJECTION_ASSUMPTION, aggregate
@@ -157,9 +160,6 @@ def table_specs(agg: Mapping, *, categories: Sequence[str] | None = None, max_po
 
 def rich_tables(specs: Sequence[TableSpec]):
     """Rich tables for the terminal: narrow borders; a grouped table's categories become heading rows."""
-    from rich import box
-    from rich.table import Table
-
     tables = []
     for spec in specs:
         table = Table(title=spec.title, title_justify="left", caption=spec.note or None, caption_justify="left",
@@ -235,6 +235,7 @@ def render_markdown(doc: dict) -> str:
 def write_chart(doc: dict, path: Path) -> None:
     """Two panels: per-position acceptance (overall, per setting) and measured speedup vs draft length
     per category."""
+    # start-up: matplotlib takes 2 s to import; only --out's chart needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
