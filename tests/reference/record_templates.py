@@ -181,18 +181,18 @@ class Server:
 
 
 def sdist_templates() -> Path:
-    """vendor/llama.cpp/models/templates of the llama.cpp build benchmarks/vs_llamacpp.py makes."""
-    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
-    from vs_llamacpp import cache_dir, llama_cpp_version
+    """vendor/llama.cpp/models/templates of the llama.cpp build the benchmark tool makes (benchmarks/harness.py)."""
+    sys.path.insert(0, str(HERE.parents[1]))
+    from benchmarks import harness
 
-    return cache_dir() / f"llama.cpp-{llama_cpp_version()}" / "llama.cpp" / "models" / "templates"
+    return harness.work_dir() / "llama.cpp" / "models" / "templates"
 
 
 def build_server() -> Path:
-    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
-    from vs_llamacpp import build
+    sys.path.insert(0, str(HERE.parents[1]))
+    from benchmarks import harness
 
-    return build(2, "llama-server")
+    return harness.build(2, "llama-server")
 
 
 def model_path(name: str) -> Path:
