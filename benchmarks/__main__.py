@@ -22,6 +22,7 @@ from benchmarks import harness
 
 SUITES = {
     "lookup": "prompt lookup vs llama.cpp's n-gram drafters on 50 prompts nobody tuned it on",
+    "replay": "the lookup suite replayed on fixed replies (no noise): the policy and its constants",
     "chat": "`specchat chat` vs llama-server with each of its drafters, multi-turn",
     "plain": "plain decoding vs llama-bench",
     "host": "specchat's own time per step outside llama_decode (by drafter, sampler, context length)",

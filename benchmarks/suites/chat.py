@@ -41,6 +41,7 @@ SERVERS = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
 
 def options(p) -> None:
     p.add_argument("--set", choices=("eval", "dev", "all"), default="eval", help="which conversations")
+    p.add_argument("--limit", type=int, help="only the first N conversations of the set")
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--server-flags", default="", metavar="FLAGS", help="more flags for every llama-server")
     p.add_argument("--also", default=None, metavar="FLAGS", help="a second specchat column with these flags")
@@ -54,7 +55,7 @@ def wall(turns: list[dict]) -> float:
 
 def run(a, result: harness.Result) -> None:
     data = json.loads((harness.DATA / "chat_conversations.json").read_text())
-    conversations = data["dev"] + data["eval"] if a.set == "all" else data[a.set]
+    conversations = (data["dev"] + data["eval"] if a.set == "all" else data[a.set])[: a.limit]
     path = harness.model_file(a.model)
     binary = harness.tool(a, "llama-server")
     ours_flags = ["-fa", "off"] if a.batch_invariant else []
