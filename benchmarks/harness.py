@@ -352,12 +352,18 @@ class Server:
         return out
 
     def close(self) -> None:
-        self.proc.terminate()
+        stop(self.proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ends a server process: asked first, killed after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            self.proc.wait(timeout=10)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
 
 class DecodeTimer:

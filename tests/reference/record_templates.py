@@ -42,6 +42,10 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root: the benchmark tool's harness builds llama-server
+
+from benchmarks import harness  # noqa: E402
+
 MODELS = ("smollm2-135m", "gemma-3-270m")
 
 
@@ -154,13 +158,7 @@ class Server:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        harness.stop(self.process)
 
     def wait_ready(self, timeout: float = 120) -> str | None:
         """None once /health answers 200, else why it never will (the server's last log line)."""
@@ -182,16 +180,10 @@ class Server:
 
 def sdist_templates() -> Path:
     """vendor/llama.cpp/models/templates of the llama.cpp build the benchmark tool makes (benchmarks/harness.py)."""
-    sys.path.insert(0, str(HERE.parents[1]))
-    from benchmarks import harness
-
     return harness.work_dir() / "llama.cpp" / "models" / "templates"
 
 
 def build_server() -> Path:
-    sys.path.insert(0, str(HERE.parents[1]))
-    from benchmarks import harness
-
     return harness.build(2, "llama-server")
 
 
