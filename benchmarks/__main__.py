@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("file", type=Path)
     child = sub.add_parser("_child")  # harness.child: one function in a process of its own
     child.add_argument("function")
-    child.add_argument("args", nargs="*")
+    child.add_argument("args", nargs=argparse.REMAINDER)
     for name, summary in SUITES.items():
         if name == "gpu":  # its own options: gpu_check.py's
             sub.add_parser(name, help=summary, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)

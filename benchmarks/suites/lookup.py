@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import harness
@@ -69,16 +70,18 @@ def load_prompts(path: Path, kinds: list[str] | None, limit: int | None) -> list
     return rows
 
 
-def cache_of(home: Path) -> Path:
-    """specchat's cache dir under SPECCHAT_HOME=home (found in this process, never used to run a model)."""
-    from specchat.paths import cache_dir
-
+@contextmanager
+def in_home(home: Path):
+    """specchat.paths under SPECCHAT_HOME=home in this process (to find its files, never to run a model)."""
     old = os.environ.get("SPECCHAT_HOME")
     os.environ["SPECCHAT_HOME"] = str(home)
     try:
-        return cache_dir()
+        yield
     finally:
-        os.environ.pop("SPECCHAT_HOME") if old is None else os.environ.update(SPECCHAT_HOME=old)
+        if old is None:
+            del os.environ["SPECCHAT_HOME"]
+        else:
+            os.environ["SPECCHAT_HOME"] = old
 
 
 class Homes:
@@ -89,7 +92,8 @@ class Homes:
 
         self.a, self.work, self.common = a, work, common
         seed = work / "seed"
-        costs = cache_of(seed) / "costs.json"
+        with in_home(seed):
+            costs = cache_dir() / "costs.json"
         costs.parent.mkdir(parents=True, exist_ok=True)
         mine = cache_dir() / "costs.json"  # the machine's own: the default build's costs (not the invariant one's)
         if mine.exists() and not a.batch_invariant:
@@ -117,13 +121,9 @@ class Homes:
         shutil.copytree(seed, home)
         learning = load_prompts(harness.DATA / "unseen_learning.jsonl", None, self.a.learn_limit)
         texts = [self.run(r["prompt"], self.a.n, home, self.common)["text"] for r in learning]
-        old = os.environ.get("SPECCHAT_HOME")
-        os.environ["SPECCHAT_HOME"] = str(home)
-        try:
+        with in_home(home):
             if save_replies(texts, target=self.a.model, kind="report") is None:
                 raise SystemExit("could not save the learning set's replies")
-        finally:
-            os.environ.pop("SPECCHAT_HOME") if old is None else os.environ.update(SPECCHAT_HOME=old)
         return home
 
     def timed(self, mode: str, prompt: str, n: int) -> dict:
