@@ -499,12 +499,14 @@ class Result:
                     "blocks": []}
 
     def table(self, title: str, columns: list[str], rows: list[list]) -> None:
-        self.doc["blocks"].append({"table": title, "columns": columns, "rows": rows})
-        print(render_block(self.doc["blocks"][-1]) + "\n", flush=True)
+        self._add({"table": title, "columns": columns, "rows": rows})
 
     def note(self, line: str) -> None:
-        self.doc["blocks"].append({"note": line})
-        print(line, flush=True)
+        self._add({"note": line})
+
+    def _add(self, block: dict) -> None:
+        self.doc["blocks"].append(block)
+        print(spaced(self.doc["blocks"], len(self.doc["blocks"]) - 1), flush=True)
 
     def keep(self, key: str, value) -> None:
         """Raw figures for the JSON only (not rendered)."""
@@ -540,13 +542,14 @@ def render_block(block: dict) -> str:
     return "\n".join([f"## {block['table']}", line(names), *map(line, cells)])
 
 
+def spaced(blocks: list[dict], i: int) -> str:
+    """Block i's text after the blank line that parts it from the one before (none between two notes)."""
+    gap = "" if i and "note" in blocks[i] and "note" in blocks[i - 1] else "\n"
+    return gap + render_block(blocks[i])
+
+
 def render(doc: dict) -> str:
-    """The text of a result document: its header, then each table and note."""
+    """The text of a result document: its header, then each table and note, as they were printed."""
     head = (f"# {doc['title']} · {doc['date']} · {doc['machine']} · llama-cpp-python {doc['llama_cpp_python']}\n"
             f"$ python -m benchmarks {doc['command']}")
-    parts, prev_note = [head], False
-    for block in doc["blocks"]:
-        text = render_block(block)
-        parts.append(text if ("note" in block and prev_note) else "\n" + text)
-        prev_note = "note" in block
-    return "\n".join(parts)
+    return "\n".join([head, *(spaced(doc["blocks"], i) for i in range(len(doc["blocks"])))])
