@@ -245,8 +245,8 @@ def ablate(a, result: harness.Result, evaluation, development, replies, cost) ->
         for name, value in tuned.items():
             setattr(lookup, name, value)
     result.table(f"lookup constants ablated · dev {len(development)} prompts, eval {len(evaluation)} · geomean "
-                 "(worst)", ["constant", *(f"{s} {k}:{f}" for s in ("dev", "eval")
-                                           for k in ("empty", "learned", "/target") for f in (".3fx", ".2f"))], rows)
+                 "(worst)", ["constant", *(c for s in ("dev", "eval") for k in ("empty", "learned", "/target")
+                                           for c in (f"{s} {k}:.3fx", "(worst):.2f"))], rows)
 
 
 def run(a, result: harness.Result) -> None:
