@@ -9,7 +9,7 @@
 What it does, in one process tree:
 1. build: the vendored llama.cpp of llama-cpp-python (carried as a trimmed tarball) with cmake + ninja, shared
    libs, on the GPU `-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90`: libllama, llama-bench and
-   llama-speculative-simple from the same tree (benchmarks/vs_llamacpp.build). specchat loads that libllama
+   llama-speculative-simple from the same tree (benchmarks/harness.build). specchat loads that libllama
    through llama-cpp-python's LLAMA_CPP_LIB_PATH (its pure-Python part travels too), so both sides run the
    very same kernels. The build time is printed. Where the CUDA toolkit has only nvcc and the runtime (this
    project's CUDA image assembles it from pip wheels), cuBLAS comes from PyTorch's nvidia-cublas wheel.
@@ -33,7 +33,7 @@ Greedy runs use --ignore-eos and the models' own text as the prompt (64 tokens o
 figures are medians of --reps processes. specchat is driven through its CLI (`prompt --json`) where it
 can be, and in-process through specchat.backend.LlamaCppBackend (eval, truncate, rollback_seconds,
 rollback_recoveries, memory), specchat.engine.generate, specchat.policy.FixedPolicy, specchat.loader and
-specchat.SamplingParams (see the `--child` parts; host_overhead.host_run for the host table). The copies
+specchat.SamplingParams (see the `--child` parts; harness.host_run for the host table). The copies
 kept on the device are specchat's own checkpoint path with its state flags (specchat.backend.STATE_PARTIAL)
 set to PARTIAL_ONLY | ON_DEVICE in that child process: specchat has no option for it.
 """
@@ -45,9 +45,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -56,6 +54,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(ROOT))  # run as a script: the benchmark tool's package
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import median, rate  # noqa: E402
 CARRY = ROOT / ".gpu-check" / "carry"  # the ignored folder that travels with the GPU command
 LOCAL = ROOT / ".gpu-check"  # everything else of this script here (sdist, CPU build, CPU models), ignored
 CARRY_LIMIT_MIB = 64
@@ -128,31 +130,7 @@ class Report:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
 
 
-def median(values) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def rate(accepted, drafted) -> str:
-    return f"{accepted / drafted:.0%}" if drafted else "-"
-
-
 # --------------------------------------------------------------------------------------------- prepare (here)
-
-
-def llama_cpp_version() -> str:
-    return importlib.metadata.version("llama-cpp-python")
-
-
-def sdist_path(version: str) -> Path:
-    """The llama-cpp-python sdist (76 MB), downloaded once into .gpu-check/sdist (never carried)."""
-    folder = LOCAL / "sdist"
-    found = next(folder.glob(f"llama_cpp_python-{version}.tar.gz"), None)
-    if found is None:
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
-                        f"llama-cpp-python=={version}", "-d", str(folder)], check=True)
-        found = next(folder.glob(f"llama_cpp_python-{version}.tar.gz"))
-    return found
 
 
 def _keep_source(rel: str) -> bool:
@@ -167,12 +145,12 @@ def _keep_source(rel: str) -> bool:
 def prepare_source(log=print) -> str:
     """The trimmed llama.cpp source and llama-cpp-python's pure-Python part (with its version metadata) in
     .gpu-check/carry, from the sdist; kept where they are there already. Returns the version."""
-    version = llama_cpp_version()
+    version = harness.llama_cpp_version()
     CARRY.mkdir(parents=True, exist_ok=True)
     source = CARRY / "llama.cpp.tar.xz"
     python = CARRY / "python"
     if not source.exists() or not (python / "llama_cpp").exists():
-        sdist = sdist_path(version)
+        sdist = harness.sdist(LOCAL / "sdist")  # downloaded once, never carried
         log(f"prepare: trimming {sdist.name} into {_shown(source)} and {_shown(python)}/")
         top = f"llama_cpp_python-{version}/"
         tmp = source.with_suffix(".tmp")
@@ -390,19 +368,17 @@ def cuda_args(s: Setup, report: Report, placeholder: bool = False) -> tuple[str,
 
 
 def cmake_args(s: Setup, report: Report, placeholder: bool = False) -> tuple[str, ...]:
-    """This check's cmake flags (after vs_llamacpp.CMAKE_BASE): the CUDA backend's too unless --cpu."""
+    """This check's cmake flags (after harness.CMAKE_BASE): the CUDA backend's too unless --cpu."""
     return CMAKE_COMMON + (() if s.cpu else CMAKE_CUDA + cuda_args(s, report, placeholder))
 
 
 def build(s: Setup, a, report: Report) -> float:
-    """vs_llamacpp.build into WORK/build with this check's flags; seconds taken (0 when it was there)."""
-    from vs_llamacpp import build as cmake_build
-
+    """harness.build into WORK/build with this check's flags; seconds taken (0 when it was there)."""
     cmake_args_ = cmake_args(s, report)
     start = time.perf_counter()
     log = s.work / "build.log"
     with output_to(log):  # cmake's output goes to the log, not between the tables
-        cmake_build(a.jobs, TARGETS[0], "build", cmake_args_, work=s.work, also=TARGETS[1:])
+        harness.build(a.jobs, TARGETS[0], "build", cmake_args_, work=s.work, also=TARGETS[1:])
     seconds = time.perf_counter() - start
     report(f"build: {'reused' if seconds < 5 else f'{seconds:.0f} s'} ({' '.join(cmake_args_)}, -j{a.jobs}; "
            f"log {log})")
@@ -421,9 +397,7 @@ def start_models(s: Setup) -> subprocess.Popen | None:
 
 def device_line(s: Setup) -> str:
     if s.cpu:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
-        return f"CPU: {names[0] if names else platform.machine()}, {os.cpu_count()} cores (--cpu)"
+        return f"CPU: {harness.machine()} (--cpu)"
     smi = shutil.which("nvidia-smi")
     if smi:
         out = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
@@ -452,17 +426,15 @@ def configure_check(a) -> int:
             report(f"configure: FAILED: the trimmed tree lacks {', '.join(missing)}, which the CUDA build needs")
             return 1
         report("configure: no nvcc here, so the CUDA backend's flags are left out (its sources are in the tree)")
-    from vs_llamacpp import CMAKE_BASE, configure
-
     flags = cmake_args(s, report, placeholder=True)
     variant = "configure-check"
     shutil.rmtree(s.work / variant, ignore_errors=True)  # a fresh cache: configure every time, from nothing
-    done = configure(s.work, variant, flags, capture=True)
+    done = harness.configure(s.work, variant, flags, capture=True)
     if done.returncode != 0:
-        report(f"configure: FAILED (cmake exit {done.returncode}) with {' '.join(CMAKE_BASE + flags)}:\n"
+        report(f"configure: FAILED (cmake exit {done.returncode}) with {' '.join(harness.CMAKE_BASE + flags)}:\n"
                f"{(done.stdout + done.stderr)[-3000:]}")
         return 1
-    report(f"configure: ok, the trimmed tree ({_shown(CARRY / 'llama.cpp.tar.xz')}) with {' '.join(CMAKE_BASE + flags)}")
+    report(f"configure: ok, the trimmed tree ({_shown(CARRY / 'llama.cpp.tar.xz')}) with {' '.join(harness.CMAKE_BASE + flags)}")
     return 0
 
 
@@ -489,17 +461,13 @@ def output_to(log: Path):
 
 
 def own_text(s: Setup) -> str:
-    import heads
-
     with output_to(s.work / "llama.log"):  # llama.cpp's load messages
-        return heads.own_text(s.models / "target.gguf")
+        return harness.own_text(s.models / "target.gguf", 64)
 
 
 def specchat(s: Setup, model: Path, prompt: str, extra: list[str], temp: float = 0.0) -> dict:
-    """One `specchat prompt --json` run (vs_llamacpp.run_specchat) with every layer on the GPU."""
-    from vs_llamacpp import run_specchat
-
-    return run_specchat(str(model), prompt, n=s.n, threads=s.threads, env=s.env(), ctx=2048,
+    """One `specchat prompt --json` run (harness.run_specchat) with every layer on the GPU."""
+    return harness.run_specchat(str(model), prompt, n=s.n, threads=s.threads, env=s.env(), ctx=2048,
                         extra=[*extra, "-ngl", s.ngl, "-ngld", s.ngl, "--temp", str(temp), "--seed", "1"])
 
 
@@ -514,13 +482,11 @@ def child(s: Setup, name: str, *args: str) -> dict:
 
 
 def part_plain(s: Setup, r: Report, prompt: str) -> None:
-    from host_overhead import llama_bench
-
     r(f"## plain decoding: specchat --no-spec vs llama-bench tg{s.n} (target, {s.n} tokens, median of {s.reps})")
     r(f"{'model':<26}{'llama-bench':>12}{'temp 0':>10}{'ratio':>7}{'temp 0.8':>10}{'ratio':>7}")
     for role in ("target", "hybrid"):
         model = s.models / f"{role}.gguf"
-        bench = llama_bench(s.bin / "llama-bench", model, s.n, s.threads, ngl=int(s.ngl), reps=max(2, s.reps))
+        bench = harness.llama_bench(s.bin / "llama-bench", model, s.n, s.threads, ngl=int(s.ngl), reps=max(2, s.reps))
         ours = {t: median([specchat(s, model, prompt, ["--no-spec"], t)["tps"] for _ in range(s.reps)])
                 for t in (0.0, 0.8)}
         r(f"{role + ' (' + MODEL_NAMES[role] + ')':<26}{bench:>12.1f}{ours[0.0]:>10.1f}{ours[0.0] / bench:>6.2f}x"
@@ -546,8 +512,6 @@ def _row(r: Report, label: str, runs: list[dict], base: float | None, ref: float
     drafted = sum(x.get("drafted") or 0 for x in runs)
     accepted = sum(x.get("accepted") or 0 for x in runs)
     shown = rate(accepted, drafted)
-    if not drafted and any(x.get("accept") is not None for x in runs):  # vs_llamacpp.run_llamacpp: a rate only
-        shown = f"{median([x['accept'] for x in runs if x.get('accept') is not None]):.0%}"
     r(f"{label:<42}{tps:>9.1f}{shown:>10}"
       + (f"{tps / base:>9.2f}x" if base else f"{'':>10}") + (f"{tps / ref:>9.2f}x" if ref else f"{'':>10}"))
     return {"tps": tps, "drafted": drafted, "accepted": accepted}
@@ -565,12 +529,10 @@ def _target_only(s: Setup, model: Path, prompt: str, role: str) -> float:
 
 
 def part_draft(s: Setup, r: Report, prompt: str) -> None:
-    import hybrid
-
     target, draft = s.models / "target.gguf", s.models / "draft.gguf"
     base = _target_only(s, target, prompt, "target")
-    theirs = [hybrid.run_llamacpp(s.bin / "llama-speculative-simple", target, draft, "draft-simple", prompt, s.n,
-                                  extra=tuple(s.gpu())) for _ in range(s.reps)]
+    theirs = [harness.run_llamacpp(s.bin / "llama-speculative-simple", target, prompt, n=s.n, threads=s.threads,
+                                   spec_type="draft-simple", draft=draft, k=4, extra=s.gpu()) for _ in range(s.reps)]
     ref = median([x["tps"] for x in theirs])
     _header(r, f"## draft model ({MODEL_NAMES['draft']} for {MODEL_NAMES['target']}), greedy, {s.n} tokens, "
                f"median of {s.reps}")
@@ -584,13 +546,10 @@ def part_draft(s: Setup, r: Report, prompt: str) -> None:
 
 
 def part_mtp(s: Setup, r: Report, prompt: str) -> None:
-    import heads
-
     model = s.models / "hybrid.gguf"
     base = _target_only(s, model, prompt, "hybrid")
-    heads.THREADS = s.threads
-    theirs = [heads.run_llamacpp(s.bin / "llama-speculative-simple", "mtp", model, None, prompt, s.n, 3,
-                                 extra=tuple(s.gpu())) for _ in range(s.reps)]
+    theirs = [harness.run_llamacpp(s.bin / "llama-speculative-simple", model, prompt, n=s.n, threads=s.threads,
+                                   spec_type="draft-mtp", k=3, extra=s.gpu()) for _ in range(s.reps)]
     ref = median([x["tps"] for x in theirs])
     _header(r, f"## MTP ({MODEL_NAMES['hybrid']}'s own MTP layer), greedy, {s.n} tokens, median of {s.reps}")
     rows = {"llama.cpp draft-mtp k=3": _row(r, "llama.cpp draft-mtp k=3 (p-min 0)", theirs, base, None)}
@@ -603,12 +562,10 @@ def part_mtp(s: Setup, r: Report, prompt: str) -> None:
 
 
 def part_lookup(s: Setup, r: Report, prompt: str) -> None:
-    from vs_llamacpp import run_llamacpp
-
     target = s.models / "target.gguf"
     base = _target_only(s, target, prompt, "target")
-    theirs = [run_llamacpp(s.bin / "llama-speculative-simple", target, prompt, n=s.n, threads=s.threads, draft=0,
-                           ngram="ngram-simple", extra=("-ngl", s.ngl)) for _ in range(s.reps)]
+    theirs = [harness.run_llamacpp(s.bin / "llama-speculative-simple", target, prompt, n=s.n, threads=s.threads,
+                                   spec_type="ngram-simple", extra=("-ngl", s.ngl)) for _ in range(s.reps)]
     ref = median([x["tps"] for x in theirs])
     _header(r, f"## prompt lookup ({MODEL_NAMES['target']}), greedy, {s.n} tokens, median of {s.reps}")
     rows = {"llama.cpp ngram-simple": _row(r, "llama.cpp ngram-simple (its defaults)", theirs, base, None)}
@@ -674,10 +631,9 @@ def child_verify(s: Setup, prompt: str) -> dict:
     """ms of one eval of k tokens after the prompt (the cut back to the prompt is not timed)."""
     from specchat.backend import LlamaCppBackend
 
-    import tiny_models
-
+    tm = harness.tiny_models()
     reps = 9 if not s.cpu else 5
-    chain = tiny_models.bigram_chain(int(tiny_models.cycle_tokens()[0]), 200)
+    chain = tm.bigram_chain(int(tm.cycle_tokens()[0]), 200)
     out = {}
     for role in ("target", "draft", "hybrid"):
         backend = LlamaCppBackend(s.models / f"{role}.gguf", n_ctx=2048, n_threads=s.threads, n_gpu_layers=int(s.ngl))
@@ -710,17 +666,15 @@ def _load(s: Setup, target: Path, draft: str | None, **opts):
 
 
 def child_host(s: Setup, prompt: str) -> dict:
-    """host_overhead.host_run (llama_decode wrapped and timed) for each drafter, as loaded by specchat.loader."""
-    from host_overhead import DecodeTimer, host_run
-
-    timer = DecodeTimer()
+    """harness.host_run (llama_decode wrapped and timed) for each drafter, as loaded by specchat.loader."""
+    timer = harness.DecodeTimer()
     rows = []
     for label, draft in (("target only", None), ("prompt lookup", "prompt-lookup"),
                          ("draft model", str(s.models / "draft.gguf"))):
         loaded = _load(s, s.models / "target.gguf", draft)
         ids = loaded.target.tokenize(prompt, add_special=True)
         for temp in (0.0, 0.8):
-            row = host_run(timer, loaded, loaded.drafter, ids, temp, 4, s.n)
+            row = harness.host_run(timer, loaded.target, loaded.drafter, ids, 4, s.n, temperature=temp)
             rows.append({"drafter": label, "temp": temp, **row})
         loaded.close()
     return {"rows": rows}

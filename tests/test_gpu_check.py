@@ -200,7 +200,7 @@ def test_the_trimmed_tree_configures_as_the_gpu_build_will(tmp_path):
     the sdist into .gpu-check/carry (downloaded once, kept like the GPU command's own carry)."""
     import subprocess
 
-    from vs_llamacpp import configure
+    from benchmarks.harness import configure
 
     done = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--configure-only", "--work",
                            str(tmp_path / "work"), "--out", str(tmp_path / "out")], capture_output=True, text=True,

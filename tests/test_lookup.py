@@ -677,7 +677,7 @@ def test_a_lookup_draft_is_as_long_as_its_estimates_earn_and_no_longer():
     """The length of a lookup draft is the policy's best_length over lookup's estimates, with no rule on
     top: a stretch of long copies to the cheapest batch (SPAN_LONG / SPAN_FACTOR / SPAN_MAX) and a bar on
     short matches before the reply has copied (UNCOPIED_MIN) were tuned on the development prompts and
-    lost on the held-out ones (benchmarks/lookup_ablation.py, docs/benchmarks.md "Tuning constants")."""
+    lost on the held-out ones (docs/benchmarks.md "Tuning constants")."""
     tokens = list(range(64))
     for match_len, in_span, verify in ((13, True, GEMMA), (9, True, GEMMA), (13, False, GEMMA), (1, False, GPU)):
         lookup = SetLookup()

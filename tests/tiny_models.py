@@ -29,7 +29,8 @@ E and succ depend only on `seed` (and n_embd for E; succ not even on that); all 
 and the layer. So a draft for a target is the same arch (or llama) with the same seed and a smaller
 `context` (`DRAFT_CONTEXT`): it predicts most, not all, of the target's tokens.
 
-Deterministic for given arguments. `benchmarks/hybrid.py` imports this file via sys.path.
+Deterministic for given arguments. The benchmark tool (`benchmarks/harness.py`, `benchmarks/gpu_models.py`)
+imports this file via sys.path.
 """
 
 from __future__ import annotations

@@ -42,6 +42,10 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root: the benchmark tool's harness builds llama-server
+
+from benchmarks import harness  # noqa: E402
+
 MODELS = ("smollm2-135m", "gemma-3-270m")
 
 
@@ -154,13 +158,7 @@ class Server:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        harness.stop(self.process)
 
     def wait_ready(self, timeout: float = 120) -> str | None:
         """None once /health answers 200, else why it never will (the server's last log line)."""
@@ -181,18 +179,12 @@ class Server:
 
 
 def sdist_templates() -> Path:
-    """vendor/llama.cpp/models/templates of the llama.cpp build benchmarks/vs_llamacpp.py makes."""
-    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
-    from vs_llamacpp import cache_dir, llama_cpp_version
-
-    return cache_dir() / f"llama.cpp-{llama_cpp_version()}" / "llama.cpp" / "models" / "templates"
+    """vendor/llama.cpp/models/templates of the llama.cpp build the benchmark tool makes (benchmarks/harness.py)."""
+    return harness.work_dir() / "llama.cpp" / "models" / "templates"
 
 
 def build_server() -> Path:
-    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
-    from vs_llamacpp import build
-
-    return build(2, "llama-server")
+    return harness.build(2, "llama-server")
 
 
 def model_path(name: str) -> Path:

@@ -1,0 +1,1 @@
+"""specchat's benchmark tool (`python -m benchmarks`): the harness, the suites, the GPU check."""
