@@ -1,0 +1,167 @@
+"""Draft trees from drafters: a draft that carries a tree (`TreeDraft`), trees from prompt lookup
+(SuffixDecoding-style: the several continuations that followed the context's tail before, scored by how
+often), and `TreePolicy`, which widens the draft its inner policy picked into a tree of at most N nodes.
+
+The engine verifies `TreeDraft.tree` in one batch where the target can (engine.tree_to_verify); everything
+else (the policy, the drafter's `learn`, the statistics of a chain) reads `tokens`, the tree's main branch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .drafters import Draft
+from .lookup import CANDIDATES, ORDER, PromptLookup
+from .sampling import SamplingParams
+from .tree import ROOT, DraftTree
+
+
+@dataclass
+class TreeDraft(Draft):
+    tree: DraftTree | None = None  # the tree to verify; `tokens` is its main branch (first children)
+
+
+def best_first(branches: Sequence[tuple[float, Sequence[int]]], nodes: int, depth: int) -> DraftTree:
+    """A tree of at most `nodes` nodes and `depth` levels from weighted token sequences: their trie, each
+    trie node scored by the product of count(child) / count(parent) along its path (the empirical chance
+    that its whole path is right, SuffixDecoding's score), best first. Children keep the order in which
+    the sequences first reached them."""
+    trie: list[dict] = [{"children": {}, "count": 0.0}]  # 0: the root
+    for weight, tokens in branches:
+        node = 0
+        trie[0]["count"] += weight
+        for token in list(tokens)[:depth]:
+            kids = trie[node]["children"]
+            if token not in kids:
+                kids[token] = len(trie)
+                trie.append({"children": {}, "count": 0.0})
+            node = kids[token]
+            trie[node]["count"] += weight
+    tree = DraftTree()
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, trie node, token, tree parent)
+    order = 0
+
+    def push(trie_node: int, score: float, parent: int) -> None:
+        nonlocal order
+        total = trie[trie_node]["count"]
+        for token, child in trie[trie_node]["children"].items():
+            heapq.heappush(heap, (-score * trie[child]["count"] / total, order, child, token, parent))
+            order += 1
+
+    push(0, 1.0, ROOT)
+    while heap and len(tree) < nodes:
+        neg, _, child, token, parent = heapq.heappop(heap)
+        push(child, -neg, tree.add(token, parent))
+    return _children_in_order(tree)
+
+
+def _children_in_order(tree: DraftTree) -> DraftTree:
+    """The same tree with nodes renumbered depth-first (each node's first child right after it), so that
+    the first branch is nodes 0, 1, 2, ...: the main branch."""
+    out = DraftTree()
+
+    def visit(node: int, parent: int) -> None:
+        for child in sorted(tree.children(node)):
+            visit(child, out.add(tree.tokens[child], parent, tree.q[child]))
+
+    visit(ROOT, ROOT)
+    return out
+
+
+def main_branch(tree: DraftTree) -> list[int]:
+    """The first child at each level, root to leaf: the chain the tree widens."""
+    out, node = [], ROOT
+    while kids := tree.children(node):
+        node = kids[0]
+        out.append(node)
+    return out
+
+
+def lookup_tree(lookup: PromptLookup, context: Sequence[int], draft: Draft, nodes: int) -> Draft:
+    """Widen lookup's chain `draft` (proposed for `context`) into a tree of at most `nodes` nodes, no
+    deeper than the chain: the chain first (it weighs as much as all the other continuations together),
+    then the continuations of the tail's other earlier occurrences, best first."""
+    if not draft.tokens or nodes <= len(draft.tokens):
+        return draft
+    depth = len(draft.tokens)
+    others = lookup_continuations_indexed(lookup, depth)
+    weight = 1e6 * (sum(w for w, _ in others) + 1.0)
+    tree = best_first([(weight, draft.tokens), *others], nodes, depth)
+    if tree.is_chain():
+        return draft
+    chain = [tree.tokens[i] for i in main_branch(tree)]
+    assert chain == list(draft.tokens), (chain, draft.tokens)
+    return TreeDraft(list(draft.tokens), list(draft.q), draft.source, draft.evidence, draft.drafter, draft.planned,
+                     tree=tree)
+
+
+def lookup_continuations_indexed(lookup: PromptLookup, depth: int) -> list[tuple[float, list[int]]]:
+    """(weight, continuation) for the earlier occurrences of the context's tail in the lookup's n-gram
+    index (which follows the context): what followed each, up to `depth` tokens and never past the end
+    of the context, weighted by the length of its match with the tail, so a continuation after a long
+    match counts more than one after a common token. The longest indexed n-gram's occurrences first,
+    then shorter ones' until CANDIDATES occurrences were found."""
+    index = lookup.index
+    ids = index.ids
+    end = len(ids) - 1
+    if end < 1:
+        return []
+    out: list[tuple[float, list[int]]] = []
+    seen: set[int] = set()
+    for order in range(min(ORDER, end, lookup.max_ngram), 0, -1):
+        gram = [int(t) for t in ids[end - order + 1 : end + 1]]
+        for p in index.latest(gram):
+            if p >= end or p in seen:
+                continue
+            seen.add(p)
+            follow = ids[p + 1 : min(p + 1 + depth, end + 1)]
+            if not follow:
+                continue
+            length = order
+            while length < min(lookup.max_ngram, p + 1) and ids[p - length] == ids[end - length]:
+                length += 1
+            out.append((float(length), follow))
+            if len(seen) >= CANDIDATES:
+                return out
+    return out
+
+
+class TreePolicy:
+    """Another policy's draft, widened into a tree of at most `nodes` nodes where its drafter can branch
+    (prompt lookup): `--draft-tree N`, with `--draft-fixed K` a tree at most K deep every step. The extra
+    nodes are not priced by the inner policy (it sees the chain it chose)."""
+
+    def __init__(self, inner, nodes: int):
+        if nodes < 0:
+            raise ValueError(f"--draft-tree must be >= 0, got {nodes}")
+        self.inner = inner
+        self.nodes = nodes
+
+    @property
+    def last_note(self):
+        return self.inner.last_note
+
+    @property
+    def drafting_possible(self) -> bool:
+        return self.inner.drafting_possible
+
+    def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
+              rng: np.random.Generator) -> Draft:
+        draft = self.inner.draft(drafter, context, limit, params, rng)
+        member = draft.drafter if draft.drafter is not None else drafter
+        if self.nodes and isinstance(member, PromptLookup) and draft.tokens:
+            return lookup_tree(member, context, draft, self.nodes)
+        return draft
+
+    def observe(self, step, emitted) -> None:
+        self.inner.observe(step, emitted)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def __getattr__(self, name):  # the inner policy's other attributes (notes, estimates) as they are
+        return getattr(self.inner, name)

@@ -1,0 +1,232 @@
+"""Draft trees through the engine and the fake backend: one target batch per tree, the kept path in the
+cache, sources per token, statistics; losslessness through the whole loop (chi-square on the first two
+tokens, as test_engine.py does for chains) with a control that must fail; lookup's trees and TreePolicy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import ALPHA, FakeBackend, ScriptedDrafter, chi2_pvalue, first_two_emitted, markov_logits
+from specchat import engine
+from specchat.backend import BackendError
+from specchat.engine import Finished, StepEvent, TokenEvent, generate
+from specchat.lookup import PromptLookup
+from specchat.policy import FixedPolicy
+from specchat.sampling import SamplingParams, sample
+from specchat.tree import ROOT, DraftTree
+from specchat.tree_drafts import TreeDraft, TreePolicy, best_first, lookup_tree, main_branch
+from test_engine import (
+    ENGINE_DRAFT, ENGINE_DRAWS, ENGINE_TARGET, EV, PENALTY_PARAMS, PENALTY_PROMPT, expected_first_two,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class TreeDrafter(ScriptedDrafter):
+    """Proposes a tree every step: `shape` [(token, parent)] (chosen, q = None), or with `q_fn` children
+    drawn from q_fn(context + path) (`widths` per level; `replace`: with replacement, as SpecInfer)."""
+
+    def __init__(self, shape=None, *, q_fn=None, widths=(3, 2)):
+        super().__init__()
+        self.shape, self.tree_q, self.widths = shape, q_fn, widths
+
+    def propose(self, context, k, params, rng):
+        self.proposals.append((list(context), k))
+        if k <= 0:
+            return TreeDraft()
+        if self.shape is not None:
+            tree = DraftTree([t for t, _ in self.shape], [p for _, p in self.shape])
+        else:
+            tree = DraftTree()
+            frontier = [ROOT]
+            for width in self.widths[:k]:
+                nxt = []
+                for node in frontier:
+                    q = np.asarray(self.tree_q(tuple(context) + tuple(tree.path_tokens(node))), dtype=np.float64)
+                    for _ in range(width):
+                        nxt.append(tree.add(sample(q, rng), node, q))
+                frontier = nxt
+        chain = [tree.tokens[i] for i in main_branch(tree)]
+        return TreeDraft(chain, [tree.q[i] for i in main_branch(tree)], tree=tree)
+
+
+SHAPE = [(0, ROOT), (0, 0), (2, 0), (1, ROOT), (4, ROOT), (4, 4), (3, 5)]
+
+
+def engine_first_two(target, drafter, prompt, params, n, seed, k=3):
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((EV, EV), dtype=np.int64)
+    for _ in range(n):
+        got = first_two_emitted(generate(target, drafter, prompt, params, max_tokens=8, policy=FixedPolicy(k), rng=rng))
+        counts[got] += 1
+    return counts
+
+
+def test_engine_fixed_tree_with_penalties_is_lossless():
+    target = FakeBackend(markov_logits(ENGINE_TARGET), EV)
+    expected = expected_first_two(markov_logits(ENGINE_TARGET), PENALTY_PROMPT, PENALTY_PARAMS)
+    counts = engine_first_two(target, TreeDrafter(SHAPE), PENALTY_PROMPT, PENALTY_PARAMS, ENGINE_DRAWS, seed=21)
+    assert target.tree_calls and target.rollback_recoveries == 0
+    pvalue = chi2_pvalue(counts, expected)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}\n{counts / ENGINE_DRAWS}\n{expected}"
+
+
+def test_engine_sampled_tree_is_lossless():
+    """Children drawn from the draft model's q with replacement (SpecInfer), penalties on."""
+    target = FakeBackend(markov_logits(ENGINE_TARGET), EV)
+    draft_fn = markov_logits(ENGINE_DRAFT)
+
+    def q_fn(ctx):
+        from specchat.sampling import process
+        return np.asarray(process(np.asarray(draft_fn(ctx)), PENALTY_PARAMS, list(ctx)))
+
+    expected = expected_first_two(markov_logits(ENGINE_TARGET), PENALTY_PROMPT, PENALTY_PARAMS)
+    counts = engine_first_two(target, TreeDrafter(q_fn=q_fn), PENALTY_PROMPT, PENALTY_PARAMS, ENGINE_DRAWS, seed=22)
+    pvalue = chi2_pvalue(counts, expected)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}\n{counts / ENGINE_DRAWS}\n{expected}"
+
+
+def test_engine_control_penalties_reading_other_branches_fail(monkeypatch):
+    """The same check fails for an engine whose rows' penalties read every node before them in the batch
+    (other branches included) rather than their own path."""
+    target = FakeBackend(markov_logits(ENGINE_TARGET), EV)
+
+    def node_order_history(recent, tree):
+        return lambda i: list(recent) + tree.tokens[:i]
+
+    monkeypatch.setattr(engine, "path_history", node_order_history)
+    expected = expected_first_two(markov_logits(ENGINE_TARGET), PENALTY_PROMPT, PENALTY_PARAMS)
+    counts = engine_first_two(target, TreeDrafter(SHAPE), PENALTY_PROMPT, PENALTY_PARAMS, 3_000, seed=23)
+    assert chi2_pvalue(counts, expected) < 1e-12
+
+
+# -- bookkeeping --------------------------------------------------------------------------------------------
+
+
+def run(target, drafter, prompt, params, **kw):
+    events = list(generate(target, drafter, prompt, params, **kw))
+    assert isinstance(events[-1], Finished)
+    return ([e for e in events if isinstance(e, TokenEvent)], [e for e in events if isinstance(e, StepEvent)],
+            events[-1])
+
+
+def scripted(wanted, prompt_len, v=8):
+    def fn(ctx):
+        row = np.zeros(v, dtype=np.float32)
+        i = len(ctx) - prompt_len
+        row[wanted[i] if i < len(wanted) else 0] = 10.0
+        return row
+    return fn
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, seed=3)], ids=["greedy", "sampled"])
+def test_a_tree_step_keeps_its_path_in_the_cache_and_says_where_tokens_came_from(params):
+    prompt = [5, 6, 7]
+    wanted = [4, 3, 1, 2, 2, 2, 2]
+    target = FakeBackend(scripted(wanted, len(prompt)), 8)
+    # step 0: the branch 4 -> 3 is right, 1 is the correction after it (3 has a child, 6, that is wrong)
+    shape = [(1, ROOT), (2, 0), (4, ROOT), (3, 2), (6, 3), (5, 2)]
+    drafter = TreeDrafter(shape)
+    tokens, steps, fin = run(target, drafter, prompt, params, max_tokens=3, policy=FixedPolicy(3))
+    assert [(t.id, t.source) for t in tokens] == [(4, "accepted"), (3, "accepted"), (1, "resampled")]
+    assert target.tree_calls[0] == (7, [t for t, _ in shape], [p for _, p in shape])
+    assert target.kept_branches[0] == [4, 3]
+    assert target.tokens == prompt + [4, 3]  # the context minus its last token
+    s = steps[0].stats
+    assert (s.drafted, s.accepted, s.nodes, s.emitted) == (3, 2, 6, 3)
+    totals = steps[-1].totals
+    assert totals.nodes == 6 and totals.as_dict()["nodes_per_step"] == 6.0 and totals.as_dict()["tokens_per_step"] == 3.0
+
+
+def test_a_tree_walked_to_a_leaf_ends_with_a_bonus_and_generation_goes_on():
+    prompt = [5, 6, 7]
+    wanted = [4, 3, 6, 1, 1, 2, 2, 2, 2, 2]
+    target = FakeBackend(scripted(wanted, len(prompt)), 8)
+    drafter = TreeDrafter([(1, ROOT), (4, ROOT), (3, 1), (6, 2)])
+    tokens, steps, fin = run(target, drafter, prompt, GREEDY, max_tokens=10, policy=FixedPolicy(3))
+    assert [(t.id, t.source) for t in tokens[:4]] == [(4, "accepted"), (3, "accepted"), (6, "accepted"), (1, "bonus")]
+    assert fin.token_ids == wanted[:10]
+    assert target.tokens == prompt + wanted[:9] and target.rollback_recoveries == 0
+
+
+def test_greedy_with_trees_equals_plain_greedy():
+    rng = np.random.default_rng(4)
+    table = rng.normal(0, 1, (EV, EV))
+    prompt = [1, 2, 3]
+    plain = run(FakeBackend(markov_logits(table), EV), None, prompt, GREEDY, max_tokens=20)[2].token_ids
+    target = FakeBackend(markov_logits(table), EV)
+    got = run(target, TreeDrafter(SHAPE), prompt, GREEDY, max_tokens=20, policy=FixedPolicy(3))[2].token_ids
+    assert got == plain and len(target.tree_calls) > 2
+
+
+def test_a_recurrent_target_verifies_the_main_branch_as_a_chain():
+    prompt = [5, 6, 7]
+    wanted = [4, 3, 1, 2, 2, 2]
+    target = FakeBackend(scripted(wanted, len(prompt)), 8, memory="checkpoints")
+    tokens, steps, fin = run(target, TreeDrafter([(4, ROOT), (3, 0), (1, ROOT)]), prompt, GREEDY, max_tokens=4,
+                             policy=FixedPolicy(3))
+    assert target.tree_calls == [] and fin.token_ids == wanted[:4]
+    assert steps[0].stats.nodes == 0 and steps[0].stats.drafted == 2
+
+
+def test_a_tree_wider_than_the_target_sequences_goes_as_a_chain():
+    prompt = [5, 6, 7]
+    target = FakeBackend(scripted([4, 3, 1, 2], len(prompt)), 8)
+    target.tree_sequences = 1
+    run(target, TreeDrafter([(4, ROOT), (3, 0), (1, ROOT)]), prompt, GREEDY, max_tokens=3, policy=FixedPolicy(3))
+    assert target.tree_calls == [] and target.calls[-1][0][:3] == [7, 4, 3]
+
+
+def test_a_decode_that_fails_on_a_tree_leaves_the_cache_usable():
+    prompt = [5, 6, 7]
+    wanted = [4, 3, 1, 2, 2, 2]
+    target = FakeBackend(scripted(wanted, len(prompt)), 8)
+    target.fail_after(1)  # the prefill works, the tree's decode fails
+    with pytest.raises(BackendError):
+        run(target, TreeDrafter([(4, ROOT), (3, 0), (1, ROOT)]), prompt, GREEDY, max_tokens=4, policy=FixedPolicy(3))
+    assert target.tokens == prompt[:-1]
+    assert run(target, None, prompt, GREEDY, max_tokens=3)[2].token_ids == wanted[:3]
+
+
+# -- lookup's trees --------------------------------------------------------------------------------------
+
+
+def test_best_first_scores_paths_by_count():
+    tree = best_first([(3.0, [1, 2, 3]), (1.0, [1, 4]), (2.0, [5, 6])], nodes=4, depth=3)
+    # scores: 1: 4/6, 1-2: 3/6, 5: 2/6, 5-6: 2/6, 1-2-3: 3/6, 1-4: 1/6
+    assert sorted(zip(tree.tokens, tree.parents)) == sorted([(1, ROOT), (2, 0), (3, 1), (5, ROOT)])
+    assert main_branch(tree) == [0, 1, 2] and tree.tokens[:3] == [1, 2, 3]
+    assert best_first([(1.0, [1, 2, 3])], nodes=8, depth=2).tokens == [1, 2]
+
+
+def test_lookup_tree_branches_where_the_tail_was_followed_differently():
+    context = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 0, 8, 9, 1, 2]
+    lookup = PromptLookup(1, 8)
+    chain = lookup.propose(context, 3, GREEDY, np.random.default_rng(0))
+    assert chain.tokens == [0, 8, 9]  # after the latest occurrence of [9, 1, 2]
+    draft = lookup_tree(lookup, context, chain, nodes=6)
+    tree = draft.tree
+    assert draft.tokens == chain.tokens and [tree.tokens[i] for i in main_branch(tree)] == [0, 8, 9]
+    # [9, 1, 2] was followed by 4, 9, 1 before (match of 3: weight 3), [1, 2] by 3, 9, 1 (weight 2): a path
+    # scores what its first token does, so the whole 4-branch comes before the 3
+    assert {tree.tokens[i] for i in tree.children(ROOT)} == {0, 4} and len(tree) == 6
+    wider = lookup_tree(lookup, context, chain, nodes=8).tree
+    assert {wider.tokens[i] for i in wider.children(ROOT)} == {0, 3, 4} and len(wider) == 8
+    assert tree.depth() == wider.depth() == 3
+    # no wider than asked, and a chain stays a chain
+    assert lookup_tree(lookup, context, chain, nodes=3) is chain
+
+
+def test_tree_policy_through_the_engine_with_lookup_is_greedy_exact():
+    rng = np.random.default_rng(7)
+    table = rng.normal(0, 1, (EV, EV))
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 0, 1, 2, 3, 1, 2]
+    plain = run(FakeBackend(markov_logits(table), EV), None, prompt, GREEDY, max_tokens=24)[2].token_ids
+    target = FakeBackend(markov_logits(table), EV)
+    tokens, steps, fin = run(target, PromptLookup(1, 8), prompt, GREEDY, max_tokens=24,
+                             policy=TreePolicy(FixedPolicy(3), 8))
+    assert fin.token_ids == plain and target.tree_calls and target.rollback_recoveries == 0
+    assert max(len(c[1]) for c in target.tree_calls) <= 8
+    with pytest.raises(ValueError):
+        TreePolicy(FixedPolicy(3), -1)
