@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .drafters import Draft
+from .errors import UserError
 from .lookup import CANDIDATES, ORDER, PromptLookup
 from .sampling import SamplingParams
 from .tree import ROOT, DraftTree
@@ -165,3 +166,35 @@ class TreePolicy:
 
     def __getattr__(self, name):  # the inner policy's other attributes (notes, estimates) as they are
         return getattr(self.inner, name)
+
+
+MAX_TREE_NODES = 255  # llama.cpp's most sequences a context may have is 256 (one per leaf, the root's row too)
+
+
+def check_draft_tree(nodes: int, fixed: int | None, no_spec: bool) -> None:
+    """--draft-tree's value, checked before anything loads (a mistake is one line)."""
+    if not 0 <= nodes <= MAX_TREE_NODES:
+        raise UserError(f"--draft-tree must be between 0 (chains only) and {MAX_TREE_NODES} nodes, got {nodes}")
+    if nodes and no_spec:
+        raise UserError(f"--draft-tree {nodes} drafts, --no-spec does not: give one of them")
+    if nodes and fixed is not None and nodes < fixed:
+        raise UserError(f"--draft-tree {nodes} is fewer nodes than --draft-fixed {fixed} deep: a tree holds its "
+                        "main branch; give at least as many nodes")
+
+
+def tree_policy(policy, nodes: int):
+    """The run's policy, widened into trees of at most `nodes` nodes (none for 0)."""
+    return TreePolicy(policy, nodes) if nodes else policy
+
+
+def tree_note(target, nodes: int) -> str | None:
+    """One line where --draft-tree asked for trees this target cannot verify (None where it can)."""
+    if not nodes:
+        return None
+    capacity = getattr(target, "tree_capacity", lambda: 0)()
+    if getattr(target, "memory", None) is not None and target.memory.kind != "kv":
+        return (f"--draft-tree: {target.name} keeps a recurrent state (it cannot share a batch between "
+                "branches): drafts go as chains")
+    if capacity < 2:
+        return f"--draft-tree: {target.name}'s context holds one sequence: drafts go as chains"
+    return None

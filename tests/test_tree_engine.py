@@ -230,3 +230,31 @@ def test_tree_policy_through_the_engine_with_lookup_is_greedy_exact():
     assert max(len(c[1]) for c in target.tree_calls) <= 8
     with pytest.raises(ValueError):
         TreePolicy(FixedPolicy(3), -1)
+
+
+# -- the flags --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--draft-tree", "-1"], "--draft-tree"),
+    (["--draft-tree", "300"], "--draft-tree"),
+    (["--draft-tree", "many"], "--draft-tree"),
+    (["--draft-tree", "3", "--draft-fixed", "5"], "--draft-tree 3"),
+    (["--draft-tree", "4", "--no-spec"], "--no-spec"),
+])
+def test_bad_draft_tree_values_are_one_line(cli, tmp_path, args, needle):
+    from fakes import assert_user_error
+
+    assert_user_error(cli("prompt", "hi", *args, home=tmp_path), needle)
+
+
+def test_tree_note_says_when_a_target_keeps_to_chains():
+    from specchat.tree_drafts import tree_note, tree_policy
+
+    kv, recurrent = FakeBackend(markov_logits(ENGINE_TARGET), EV), FakeBackend(markov_logits(ENGINE_TARGET), EV, memory="checkpoints")
+    assert tree_note(kv, 8) is None and tree_note(recurrent, 0) is None
+    assert "chains" in tree_note(recurrent, 8) and "\n" not in tree_note(recurrent, 8)
+    kv.tree_sequences = 1
+    assert "one sequence" in tree_note(kv, 8)
+    inner = FixedPolicy(3)
+    assert tree_policy(inner, 0) is inner and tree_policy(inner, 8).nodes == 8
