@@ -9,12 +9,13 @@ else (the policy, the drafter's `learn`, the statistics of a chain) reads `token
 from __future__ import annotations
 
 import heapq
+from contextlib import ExitStack
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .drafters import Draft
+from .drafters import Draft, DraftModel, members
 from .errors import UserError
 from .lookup import CANDIDATES, ORDER, PromptLookup
 from .sampling import SamplingParams
@@ -133,7 +134,7 @@ def lookup_continuations_indexed(lookup: PromptLookup, depth: int) -> list[tuple
 
 class TreePolicy:
     """Another policy's draft, widened into a tree of at most `nodes` nodes where its drafter can branch
-    (prompt lookup): `--draft-tree N`, with `--draft-fixed K` a tree at most K deep every step. The extra
+    (prompt lookup: other continuations; a draft model: its runners-up): `--draft-tree N`, with `--draft-fixed K` a tree at most K deep every step. The extra
     nodes are not priced by the inner policy (it sees the chain it chose)."""
 
     def __init__(self, inner, nodes: int):
@@ -152,10 +153,20 @@ class TreePolicy:
 
     def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> Draft:
-        draft = self.inner.draft(drafter, context, limit, params, rng)
+        if not self.nodes:
+            return self.inner.draft(drafter, context, limit, params, rng)
+        recorders = {id(m): _RowRecorder(m.backend) for m in members(drafter) if isinstance(m, DraftModel)}
+        with ExitStack() as stack:
+            for recorder in recorders.values():
+                stack.enter_context(recorder)
+            draft = self.inner.draft(drafter, context, limit, params, rng)
         member = draft.drafter if draft.drafter is not None else drafter
-        if self.nodes and isinstance(member, PromptLookup) and draft.tokens:
+        if not draft.tokens:
+            return draft
+        if isinstance(member, PromptLookup):
             return lookup_tree(member, context, draft, self.nodes)
+        if id(member) in recorders:
+            return model_tree(draft, recorders[id(member)].rows, self.nodes)
         return draft
 
     def observe(self, step, emitted) -> None:
@@ -198,3 +209,65 @@ def tree_note(target, nodes: int) -> str | None:
     if capacity < 2:
         return f"--draft-tree: {target.name}'s context holds one sequence: drafts go as chains"
     return None
+
+
+# -- trees from a draft model ------------------------------------------------------------------------------
+
+ALTERNATIVES = 3  # a draft position's runners-up considered as branches
+
+
+class _RowRecorder:
+    """While a draft model proposes: a copy of the logits row each of its evaluations returns (the row
+    after the context, then one after each draft token), so the runners-up at every position are known
+    without another forward."""
+
+    def __init__(self, backend):
+        self.backend, self.rows = backend, []
+
+    def __enter__(self):
+        self._own = "eval" in vars(self.backend)
+        self._real = self.backend.eval
+
+        def recording(tokens, logits_at, *, in_place=False):
+            out = self._real(tokens, logits_at, in_place=in_place)
+            if len(out):
+                self.rows.append(np.array(out[-1], dtype=np.float32))
+            return out
+
+        self.backend.eval = recording
+        return self
+
+    def __exit__(self, *exc):
+        if self._own:
+            self.backend.eval = self._real
+        else:
+            del self.backend.eval
+
+
+def model_tree(draft: Draft, rows: Sequence[np.ndarray], nodes: int) -> Draft:
+    """Widen a draft model's chain into a tree (EAGLE-2's expansion by cumulative probability, over the
+    chain's runners-up): every chain position's ALTERNATIVES best other tokens become leaves beside the
+    chain token, each scored by the draft's probability of the chain up to it times its own, and the
+    best `nodes - len(chain)` of them are kept, so the tree branches where the draft was unsure. Leaves
+    need no draft forward: a chosen candidate is verified as one-hot (tree.verify_tree), whatever q the
+    chain tokens were drawn from."""
+    k = len(draft.tokens)
+    if k == 0 or nodes <= k or len(rows) < k:
+        return draft
+    scored: list[tuple[float, int, int]] = []  # (-score, position, token)
+    path = 1.0
+    for i, (token, row) in enumerate(zip(draft.tokens, rows)):
+        z = np.asarray(row, dtype=np.float64)
+        top = np.argpartition(-z, ALTERNATIVES)[: ALTERNATIVES + 1] if len(z) > ALTERNATIVES + 1 else np.arange(len(z))
+        e = np.exp(z[top] - z.max())
+        norm = float(np.exp(z - z.max()).sum())
+        for t, w in zip(top.tolist(), (e / norm).tolist()):
+            if t != token and w > 0:
+                scored.append((-path * w, i, t))
+        path *= float(np.exp(z[token] - z.max()) / norm)
+    scored.sort()
+    tree = DraftTree.chain(draft.tokens, draft.q)
+    for _, i, t in scored[: nodes - k]:
+        tree.add(t, i - 1)
+    return TreeDraft(list(draft.tokens), list(draft.q), draft.source, draft.evidence, draft.drafter, draft.planned,
+                     tree=tree)

@@ -258,3 +258,57 @@ def test_tree_note_says_when_a_target_keeps_to_chains():
     assert "one sequence" in tree_note(kv, 8)
     inner = FixedPolicy(3)
     assert tree_policy(inner, 0) is inner and tree_policy(inner, 8).nodes == 8
+
+
+# -- trees from a draft model ------------------------------------------------------------------------------
+
+
+def policy_first_two(target, drafter, prompt, params, policy, n, seed):
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((EV, EV), dtype=np.int64)
+    for _ in range(n):
+        got = first_two_emitted(generate(target, drafter, prompt, params, max_tokens=8, policy=policy, rng=rng))
+        counts[got] += 1
+    return counts
+
+
+def test_engine_draft_model_tree_with_penalties_is_lossless():
+    """The draft model's sampled chain (q known) with its runners-up as chosen leaves beside it: mixed
+    siblings, penalties on."""
+    from fakes import make_draft_model
+
+    target = FakeBackend(markov_logits(ENGINE_TARGET), EV)
+    drafter, _ = make_draft_model(markov_logits(ENGINE_DRAFT), EV)
+    expected = expected_first_two(markov_logits(ENGINE_TARGET), PENALTY_PROMPT, PENALTY_PARAMS)
+    counts = policy_first_two(target, drafter, PENALTY_PROMPT, PENALTY_PARAMS, TreePolicy(FixedPolicy(2), 5),
+                              ENGINE_DRAWS, seed=24)
+    assert target.tree_calls and max(len(c[1]) for c in target.tree_calls) == 5
+    pvalue = chi2_pvalue(counts, expected)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}\n{counts / ENGINE_DRAWS}\n{expected}"
+
+
+def test_model_tree_branches_where_the_draft_is_unsure():
+    from specchat.tree_drafts import model_tree
+    from specchat.drafters import Draft
+
+    sure = np.array([10.0, 0, 0, 0, 0])  # the draft is certain of token 0
+    unsure = np.array([1.0, 0.9, 0.8, -5, -5])  # three tokens about as likely
+    tree = model_tree(Draft([0, 0, 0], [None] * 3), [sure, unsure, sure], nodes=5).tree
+    assert tree.tokens[:3] == [0, 0, 0] and tree.parents[:3] == [ROOT, 0, 1]
+    # the two runners-up of the unsure position hang beside the chain's second token
+    assert sorted(zip(tree.tokens[3:], tree.parents[3:])) == [(1, 0), (2, 0)]
+    assert getattr(model_tree(Draft([0], [None]), [sure], nodes=1), "tree", None) is None
+
+
+def test_greedy_draft_model_trees_equal_plain_greedy():
+    from fakes import make_draft_model
+
+    rng = np.random.default_rng(9)
+    table = rng.normal(0, 1, (EV, EV))
+    prompt = [1, 2, 3]
+    plain = run(FakeBackend(markov_logits(table), EV), None, prompt, GREEDY, max_tokens=20)[2].token_ids
+    target = FakeBackend(markov_logits(table), EV)
+    drafter, draft_backend = make_draft_model(markov_logits(table + rng.normal(0, 1.0, (EV, EV))), EV)
+    got = run(target, drafter, prompt, GREEDY, max_tokens=20, policy=TreePolicy(FixedPolicy(3), 7))[2].token_ids
+    assert got == plain and target.tree_calls and target.rollback_recoveries == 0
+    assert "eval" not in vars(draft_backend)  # the row recorder is gone
