@@ -150,14 +150,24 @@ def test_a_tree_walked_to_a_leaf_ends_with_a_bonus_and_generation_goes_on():
     assert target.tokens == prompt + wanted[:9] and target.rollback_recoveries == 0
 
 
-def test_greedy_with_trees_equals_plain_greedy():
+@pytest.mark.parametrize("kind", ["fixed-tree", "draft-model"])
+def test_greedy_with_trees_equals_plain_greedy(kind):
+    from fakes import make_draft_model
+
     rng = np.random.default_rng(4)
     table = rng.normal(0, 1, (EV, EV))
     prompt = [1, 2, 3]
     plain = run(FakeBackend(markov_logits(table), EV), None, prompt, GREEDY, max_tokens=20)[2].token_ids
     target = FakeBackend(markov_logits(table), EV)
-    got = run(target, TreeDrafter(SHAPE), prompt, GREEDY, max_tokens=20, policy=FixedPolicy(3))[2].token_ids
-    assert got == plain and len(target.tree_calls) > 2
+    if kind == "fixed-tree":
+        drafter, policy = TreeDrafter(SHAPE), FixedPolicy(3)
+    else:  # the draft model's runners-up beside its chain
+        drafter, draft_backend = make_draft_model(markov_logits(table + rng.normal(0, 1.0, (EV, EV))), EV)
+        policy = TreePolicy(FixedPolicy(3), 7)
+    got = run(target, drafter, prompt, GREEDY, max_tokens=20, policy=policy)[2].token_ids
+    assert got == plain and len(target.tree_calls) > 2 and target.rollback_recoveries == 0
+    if kind == "draft-model":
+        assert "eval" not in vars(draft_backend)  # the row recorder is gone
 
 
 def test_a_recurrent_target_verifies_the_main_branch_as_a_chain():
@@ -298,17 +308,3 @@ def test_model_tree_branches_where_the_draft_is_unsure():
     # the two runners-up of the unsure position hang beside the chain's second token
     assert sorted(zip(tree.tokens[3:], tree.parents[3:])) == [(1, 0), (2, 0)]
     assert getattr(model_tree(Draft([0], [None]), [sure], nodes=1), "tree", None) is None
-
-
-def test_greedy_draft_model_trees_equal_plain_greedy():
-    from fakes import make_draft_model
-
-    rng = np.random.default_rng(9)
-    table = rng.normal(0, 1, (EV, EV))
-    prompt = [1, 2, 3]
-    plain = run(FakeBackend(markov_logits(table), EV), None, prompt, GREEDY, max_tokens=20)[2].token_ids
-    target = FakeBackend(markov_logits(table), EV)
-    drafter, draft_backend = make_draft_model(markov_logits(table + rng.normal(0, 1.0, (EV, EV))), EV)
-    got = run(target, drafter, prompt, GREEDY, max_tokens=20, policy=TreePolicy(FixedPolicy(3), 7))[2].token_ids
-    assert got == plain and target.tree_calls and target.rollback_recoveries == 0
-    assert "eval" not in vars(draft_backend)  # the row recorder is gone
