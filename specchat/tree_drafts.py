@@ -8,6 +8,7 @@ else (the policy, the drafter's `learn`, the statistics of a chain) reads `token
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from contextlib import ExitStack
 from collections.abc import Sequence
@@ -132,16 +133,35 @@ def lookup_continuations_indexed(lookup: PromptLookup, depth: int) -> list[tuple
     return out
 
 
+# TreePolicy's pricing. Before any tree is verified, a tree is expected to add this many tokens per step
+# over its chain: enough to try one, after which the measured gain decides. (Not measured: a starting point.)
+GAIN_PRIOR = 0.5
+GAIN_DECAY = 0.9  # per observed tree step: the gain estimate follows the last ten or so
+PROBE_EVERY = 16  # a tree declined this many steps in a row is sent once, so the estimate can recover
+
+
 class TreePolicy:
     """Another policy's draft, widened into a tree of at most `nodes` nodes where its drafter can branch
-    (prompt lookup: other continuations; a draft model: its runners-up): `--draft-tree N`, with `--draft-fixed K` a tree at most K deep every step. The extra
-    nodes are not priced by the inner policy (it sees the chain it chose)."""
+    (prompt lookup: other continuations; a draft model: its runners-up): `--draft-tree N`.
+
+    With a fixed inner policy (`--draft-fixed K --draft-tree N`) the tree goes every step, for experiments.
+    With a priced one (the adaptive policy, which has the target's verify costs) the tree goes only where
+    it pays against its own chain: (tau + gain) / cost(nodes + 1) > tau / cost(k + 1), with tau the tokens
+    a step of the chain keeps and gain the extra tokens a tree step kept over what its chain would have
+    (both measured: the common prefix of the kept path and the chain is what the chain would have kept).
+    The inner policy is told of every step as if its chain had gone (that prefix accepted, the batch's time
+    scaled to the chain's size), so its own estimates and costs stay those of chains."""
 
     def __init__(self, inner, nodes: int):
         if nodes < 0:
             raise ValueError(f"--draft-tree must be >= 0, got {nodes}")
         self.inner = inner
         self.nodes = nodes
+        self.gain = GAIN_PRIOR  # extra tokens per tree step, measured
+        self.chain_tokens = 1.0  # tokens a chain step keeps (its accepted + the target's), measured
+        self.declined = 0  # trees held back in a row
+        self.trees_sent = 0
+        self._sent: Draft | None = None  # this step's tree draft, until observe
 
     @property
     def last_note(self):
@@ -151,8 +171,13 @@ class TreePolicy:
     def drafting_possible(self) -> bool:
         return self.inner.drafting_possible
 
+    def _verify_cost(self):
+        """The target's verify costs where the inner policy prices drafts (None: it sends what it is told)."""
+        return getattr(self.inner, "verify_cost", None)
+
     def draft(self, drafter, context: Sequence[int], limit: int, params: SamplingParams,
               rng: np.random.Generator) -> Draft:
+        self._sent = None
         if not self.nodes:
             return self.inner.draft(drafter, context, limit, params, rng)
         recorders = {id(m): _RowRecorder(m.backend) for m in members(drafter) if isinstance(m, DraftModel)}
@@ -164,13 +189,45 @@ class TreePolicy:
         if not draft.tokens:
             return draft
         if isinstance(member, PromptLookup):
-            return lookup_tree(member, context, draft, self.nodes)
-        if id(member) in recorders:
-            return model_tree(draft, recorders[id(member)].rows, self.nodes)
-        return draft
+            widened = lookup_tree(member, context, draft, self.nodes)
+        elif id(member) in recorders:
+            widened = model_tree(draft, recorders[id(member)].rows, self.nodes)
+        else:
+            return draft
+        tree = getattr(widened, "tree", None)
+        if tree is None or not self._pays(len(draft.tokens), len(tree)):
+            return draft
+        self._sent = widened
+        self.trees_sent += 1
+        return widened
+
+    def _pays(self, k: int, nodes: int) -> bool:
+        cost = self._verify_cost()
+        if cost is None:
+            return True
+        if self.declined >= PROBE_EVERY or (self.chain_tokens + self.gain) * cost(k + 1) > self.chain_tokens * cost(nodes + 1):
+            self.declined = 0
+            return True
+        self.declined += 1
+        return False
 
     def observe(self, step, emitted) -> None:
-        self.inner.observe(step, emitted)
+        sent, self._sent = self._sent, None
+        if sent is None or not step.nodes:  # a chain (or nothing) went: its tokens per step
+            if step.drafted:
+                self.chain_tokens = GAIN_DECAY * self.chain_tokens + (1 - GAIN_DECAY) * (step.accepted + 1)
+            self.inner.observe(step, emitted)
+            return
+        chain = list(sent.tokens)
+        kept = list(emitted[: step.accepted])
+        chain_kept = next((i for i, (a, b) in enumerate(zip(chain, kept)) if a != b), min(len(chain), len(kept)))
+        self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * (step.accepted - chain_kept)
+        self.chain_tokens = GAIN_DECAY * self.chain_tokens + (1 - GAIN_DECAY) * (chain_kept + 1)
+        cost = self._verify_cost()
+        scale = cost(len(chain) + 1) / cost(step.nodes + 1) if cost is not None else 1.0
+        as_chain = dataclasses.replace(step, drafted=len(chain), accepted=chain_kept, nodes=0,
+                                       verify_seconds=step.verify_seconds * scale)
+        self.inner.observe(as_chain, emitted)
 
     def finish(self) -> None:
         self.inner.finish()

@@ -308,3 +308,54 @@ def test_model_tree_branches_where_the_draft_is_unsure():
     # the two runners-up of the unsure position hang beside the chain's second token
     assert sorted(zip(tree.tokens[3:], tree.parents[3:])) == [(1, 0), (2, 0)]
     assert getattr(model_tree(Draft([0], [None]), [sure], nodes=1), "tree", None) is None
+
+
+# -- pricing: a tree goes where it pays against its own chain ------------------------------------------------
+
+
+class PricedInner:
+    """A priced inner policy: sends lookup's chain of 3 every step; has the target's verify costs."""
+
+    last_note = None
+    drafting_possible = True
+
+    def __init__(self, cost):
+        self.verify_cost, self.seen = cost, []
+
+    def draft(self, drafter, context, limit, params, rng):
+        draft = drafter.propose(context, min(3, limit), params, rng)
+        draft.drafter, draft.planned = drafter, 3
+        return draft
+
+    def observe(self, step, emitted):
+        self.seen.append(step)
+
+    def finish(self):
+        pass
+
+
+BRANCHING = [1, 2, 3, 1, 2, 4, 1, 2, 0, 1, 2, 3, 1, 2]
+
+
+def priced_run(cost, table_seed=7, max_tokens=30):
+    from specchat.costs import CostModel
+
+    table = np.random.default_rng(table_seed).normal(0, 1, (EV, EV))
+    target = FakeBackend(markov_logits(table), EV)
+    inner = PricedInner(CostModel(*cost))
+    policy = TreePolicy(inner, 8)
+    fin = run(target, PromptLookup(1, 8), BRANCHING, GREEDY, max_tokens=max_tokens, policy=policy)[2]
+    return policy, inner, target, fin
+
+
+def test_a_tree_whose_batch_costs_far_more_than_its_chain_is_held_back_and_probed():
+    policy, inner, target, fin = priced_run(([1, 4, 9], [1.0, 1.2, 3.0]))  # 9 tokens cost 2.5x 4
+    assert policy.trees_sent == len(target.tree_calls) <= 1 + fin.stats.steps // 16
+    assert all(s.nodes == 0 for s in inner.seen)
+
+
+def test_a_tree_as_cheap_as_its_chain_goes_and_the_inner_policy_sees_the_chain():
+    policy, inner, target, fin = priced_run(([1, 64], [1.0, 1.01]), max_tokens=30)  # a GPU-like flat cost
+    assert policy.trees_sent == len(target.tree_calls) >= 2
+    assert all(s.nodes == 0 and s.drafted <= 3 for s in inner.seen)  # every step told as its chain
+    assert fin.stats.nodes > fin.stats.drafted
