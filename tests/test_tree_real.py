@@ -84,3 +84,22 @@ def test_greedy_with_lookup_trees_is_the_targets_greedy_choice(target):
     finally:
         del target.eval_tree
     assert trees and max(trees) <= 12
+
+
+def test_greedy_with_draft_model_trees_is_the_targets_greedy_choice(target):
+    from specchat.drafters import DraftModel
+
+    draft = LlamaCppBackend(model_path("smollm2-135m"), n_ctx=1024, n_threads=2, name="smollm2-135m-draft")
+    try:
+        drafter = DraftModel.checked(draft, target, p_min=0.0)
+        prompt_ids = prompt_ids_for(target, "Write a Python function that returns the sum of the squares of a list.")
+        chain, _ = run(target, drafter, prompt_ids, FixedPolicy(4), max_tokens=40)
+        evaluated = target.evaluated
+        finished, tokens = run(target, drafter, prompt_ids, TreePolicy(FixedPolicy(4), 8), max_tokens=40)
+        assert finished.stats.nodes > finished.stats.drafted  # trees went
+        gaps = teacher_forced_gaps(target, prompt_ids, finished.token_ids)
+        assert gaps.max() <= TOLERANCE, f"token {int(gaps.argmax())} is {gaps.max():.3f} below the best logit"
+        assert finished.stats.rollback_recoveries == 0 and target.evaluated > evaluated
+        assert finished.token_ids == chain.token_ids
+    finally:
+        draft.close()
