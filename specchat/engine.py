@@ -270,6 +270,8 @@ def tree_to_verify(target: Backend, draft: Draft) -> DraftTree | None:
     capacity = getattr(target, "tree_capacity", None)
     if capacity is None or len(tree.leaves()) > capacity():
         return None
+    if getattr(target, "hidden_sink", None) is not None:  # a head reads the target's rows of the kept path
+        return None
     return tree
 
 

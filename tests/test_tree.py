@@ -12,8 +12,10 @@ look plausible and are wrong; each must fail the same check.
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from functools import lru_cache
+from itertools import accumulate
 
 import numpy as np
 import pytest
@@ -81,6 +83,21 @@ def top_tree(params, draft, rng, widths=(3, 2)) -> DraftTree:
     return tree
 
 
+_cdfs: dict[int, tuple[list[int], list[float]]] = {}
+
+
+def draw(q: Dist, rng) -> int:
+    """sample(q, rng) for the lru-cached q of q_at (its CDF kept as lists: numpy's cumsum per draw was
+    most of these tests' time)."""
+    lists = _cdfs.get(id(q))
+    if lists is None:
+        ids, probs = q.lists()
+        lists = _cdfs[id(q)] = (list(ids), list(accumulate(probs)))
+    ids, cdf = lists
+    i = bisect.bisect_right(cdf, rng.random() * cdf[-1])
+    return ids[i] if i < len(ids) else ids[max(j for j, x in enumerate(q.lists()[1]) if x > 0)]
+
+
 def sampled_tree(params, draft, rng, widths=(3, 2), replace=True) -> DraftTree:
     """Children drawn from the draft's q at each node: independently (SpecInfer) or without replacement."""
     tree = DraftTree()
@@ -94,7 +111,7 @@ def sampled_tree(params, draft, rng, widths=(3, 2), replace=True) -> DraftTree:
                 q_c = q if replace or not drawn else without(q, drawn)
                 if not replace and len(drawn) >= len(q.lists()[0]):
                     break
-                t = sample(q_c, rng)
+                t = draw(q, rng) if q_c is q else sample(q_c, rng)
                 drawn.append(t)
                 nxt.append(tree.add(t, node, q_c))
         frontier = nxt
