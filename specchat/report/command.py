@@ -12,6 +12,7 @@ from .. import options as opt
 from ..drafters import members, own_backends, run_info, run_label
 from ..errors import UserError
 from ..loader import make_policy
+from ..tree_drafts import tree_policy
 from ..policy import FixedPolicy, Policy
 from ..stats import RunStats
 from ..ui import phases_line
@@ -135,9 +136,9 @@ def report_command(
 
         def policy_for(setting: Setting) -> Policy:
             if setting.k is None:
-                return make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
-                                   notify=measuring_notice(err))
-            return FixedPolicy(setting.k)
+                return tree_policy(make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
+                                               notify=measuring_notice(err)), run.draft_tree)
+            return tree_policy(FixedPolicy(setting.k), run.draft_tree)  # (--draft-tree: trees in every setting)
 
         total = sum(len(i.turns) for i in items) * len(settings)
         progress = Progress(
