@@ -137,7 +137,8 @@ def lookup_continuations_indexed(lookup: PromptLookup, depth: int) -> list[tuple
 # over its chain: enough to try one, after which the measured gain decides. (Not measured: a starting point.)
 GAIN_PRIOR = 0.5
 GAIN_DECAY = 0.9  # per observed tree step: the gain estimate follows the last ten or so
-PROBE_EVERY = 16  # a tree declined this many steps in a row is sent once, so the estimate can recover
+PROBE_EVERY = 16  # a tree declined this many steps in a row is sent once, so the estimate can recover ...
+PROBE_MAX = 256  # ... and twice as many after a probe that gained nothing, up to this
 
 
 class TreePolicy:
@@ -160,6 +161,8 @@ class TreePolicy:
         self.gain = GAIN_PRIOR  # extra tokens per tree step, measured
         self.chain_tokens = 1.0  # tokens a chain step keeps (its accepted + the target's), measured
         self.declined = 0  # trees held back in a row
+        self.probe_every = PROBE_EVERY
+        self._probing = False  # this step's tree is a probe
         self.trees_sent = 0
         self._sent: Draft | None = None  # this step's tree draft, until observe
 
@@ -205,8 +208,9 @@ class TreePolicy:
         cost = self._verify_cost()
         if cost is None:
             return True
-        if self.declined >= PROBE_EVERY or (self.chain_tokens + self.gain) * cost(k + 1) > self.chain_tokens * cost(nodes + 1):
-            self.declined = 0
+        pays = (self.chain_tokens + self.gain) * cost(k + 1) > self.chain_tokens * cost(nodes + 1)
+        if pays or self.declined >= self.probe_every:
+            self._probing, self.declined = not pays, 0
             return True
         self.declined += 1
         return False
@@ -222,6 +226,9 @@ class TreePolicy:
         kept = list(emitted[: step.accepted])
         chain_kept = next((i for i, (a, b) in enumerate(zip(chain, kept)) if a != b), min(len(chain), len(kept)))
         self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * (step.accepted - chain_kept)
+        if self._probing:  # a probe that gained nothing: the next one waits twice as long
+            self.probe_every = PROBE_EVERY if step.accepted > chain_kept else min(2 * self.probe_every, PROBE_MAX)
+            self._probing = False
         self.chain_tokens = GAIN_DECAY * self.chain_tokens + (1 - GAIN_DECAY) * (chain_kept + 1)
         cost = self._verify_cost()
         scale = cost(len(chain) + 1) / cost(step.nodes + 1) if cost is not None else 1.0

@@ -359,3 +359,21 @@ def test_a_tree_as_cheap_as_its_chain_goes_and_the_inner_policy_sees_the_chain()
     assert policy.trees_sent == len(target.tree_calls) >= 2
     assert all(s.nodes == 0 and s.drafted <= 3 for s in inner.seen)  # every step told as its chain
     assert fin.stats.nodes > fin.stats.drafted
+
+
+def test_probes_back_off_while_trees_gain_nothing():
+    from specchat.costs import CostModel
+    from specchat.stats import StepStats
+
+    policy = TreePolicy(PricedInner(CostModel([1, 4, 9], [1.0, 1.2, 3.0])), 8)
+    sent = []
+    for i in range(400):
+        if policy._pays(3, 8):  # the tree's path kept what its chain would have: no gain
+            sent.append(i)
+            policy._sent = TreeDraft([1, 2, 3], [None] * 3, tree=DraftTree([1, 2, 3, 4], [ROOT, 0, 1, 0]))
+            policy.observe(StepStats(i, 3, 1, 2, 0.0, 0.01, nodes=8), [1, 9])
+        else:
+            policy.observe(StepStats(i, 3, 1, 2, 0.0, 0.01), [1, 9])
+    gaps = np.diff(sent).tolist()
+    assert sent[0] == 16 and gaps == [33, 65, 129], sent  # declined 16 times, then 32, 64, 128
+    assert policy.gain < 0.1 and all(s.nodes == 0 for s in policy.inner.seen)
