@@ -15,7 +15,7 @@ from specchat.lookup import PromptLookup
 from specchat.policy import FixedPolicy
 from specchat.sampling import SamplingParams, sample
 from specchat.tree import ROOT, DraftTree
-from specchat.tree_drafts import TreeDraft, TreePolicy, best_first, lookup_tree, main_branch
+from specchat.tree_drafts import GAIN_PRIOR, TreeDraft, TreePolicy, best_first, lookup_tree, main_branch
 from test_engine import (
     ENGINE_DRAFT, ENGINE_DRAWS, ENGINE_TARGET, EV, PENALTY_PARAMS, PENALTY_PROMPT, expected_first_two,
 )
@@ -376,4 +376,4 @@ def test_probes_back_off_while_trees_gain_nothing():
             policy.observe(StepStats(i, 3, 1, 2, 0.0, 0.01), [1, 9])
     gaps = np.diff(sent).tolist()
     assert sent[0] == 16 and gaps == [33, 65, 129], sent  # declined 16 times, then 32, 64, 128
-    assert policy.gain < 0.1 and all(s.nodes == 0 for s in policy.inner.seen)
+    assert policy.gain < GAIN_PRIOR and all(s.nodes == 0 for s in policy.inner.seen)
