@@ -142,9 +142,8 @@ def generate(
             drafts = draft.tokens
             tree = None if budget is not None else tree_to_verify(target, draft)
             t1 = time.perf_counter()
-            if tree is not None:  # a draft tree: verified in one batch (drafts: the path it kept)
+            if tree is not None:  # a draft tree: verified in one batch
                 verified = verify_tree_step(target, reply.context, tree, params, rng)
-                drafts = verified.drafts
             else:
                 forced = budget.lookahead(drafts) if budget is not None else None
                 verified = verify_step(target, reply.context, drafts, draft.q, params, rng, forced)
@@ -161,7 +160,7 @@ def generate(
                     yield event
             emitted = reply.generated[n_before:]
             drafted = 0 if forcing else len(drafts)  # forced tokens are the budget's, not a drafter's
-            if tree is not None:  # a tree's positions tried: its depth
+            if tree is not None:  # a tree's positions tried: its depth (its nodes: StepStats.nodes)
                 drafted = tree.depth()
             # a token that ended generation inside the step still counts as accepted, not as emitted
             step = StepStats(
@@ -249,12 +248,6 @@ class TreeVerified(Verified):
 
     path_tokens: tuple[int, ...] = ()
     bonus: bool = False
-
-    @property
-    def drafts(self) -> list[int]:
-        """The kept path as the chain of drafts it amounts to (a stand-in for the rejected child when the
-        walk stopped before a leaf, so the chain's bookkeeping reads it as a correction)."""
-        return list(self.path_tokens) + ([] if self.bonus else [-1])
 
     def tokens(self, drafts: Sequence[int]) -> list[tuple[int, Source]]:
         kept: list[tuple[int, Source]] = [(t, "accepted") for t in self.path_tokens]
