@@ -1,6 +1,8 @@
 """Draft trees from drafters: a draft that carries a tree (`TreeDraft`), trees from prompt lookup
 (SuffixDecoding-style: the several continuations that followed the context's tail before, scored by how
-often), and `TreePolicy`, which widens the draft its inner policy picked into a tree of at most N nodes.
+often) and from a draft model (its runners-up beside its chain, by cumulative probability), and
+`TreePolicy`, which widens the draft its inner policy picked into a tree of at most N nodes where that
+pays against the chain.
 
 The engine verifies `TreeDraft.tree` in one batch where the target can (engine.tree_to_verify); everything
 else (the policy, the drafter's `learn`, the statistics of a chain) reads `tokens`, the tree's main branch.
@@ -31,8 +33,8 @@ class TreeDraft(Draft):
 def best_first(branches: Sequence[tuple[float, Sequence[int]]], nodes: int, depth: int) -> DraftTree:
     """A tree of at most `nodes` nodes and `depth` levels from weighted token sequences: their trie, each
     trie node scored by the product of count(child) / count(parent) along its path (the empirical chance
-    that its whole path is right, SuffixDecoding's score), best first. Children keep the order in which
-    the sequences first reached them."""
+    that its whole path is right, SuffixDecoding's score), best first. Each node's children come best
+    first, and the nodes are numbered depth-first, so the best branch is nodes 0, 1, 2, ..."""
     trie: list[dict] = [{"children": {}, "count": 0.0}]  # 0: the root
     for weight, tokens in branches:
         node = 0
