@@ -355,6 +355,8 @@ class LlamaCppBackend:
         self.reevaluated = 0  # tokens evaluated again after a checkpoint restore
         self.rollback_seconds = 0.0  # spent saving and restoring checkpoints
         self._views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view, see eval
+        self._tree_batch = None  # a batch whose tokens may carry several sequence ids (eval_tree)
+        self._tree = None  # (position of the root, the tree, its leaves) between eval_tree and keep_branch
         self.memory = self._warm_up()
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -374,6 +376,8 @@ class LlamaCppBackend:
                 f"context full: {len(self.tokens)} + {n} tokens > -c {self.n_ctx}; raise -c or shorten the prompt"
             )
         logits_at = list(logits_at)
+        if self._tree is not None:  # a tree left open: keep only its root
+            self.keep_branch([])
         if self._held != len(self.tokens):
             redo = self._settle()
             if redo:  # kept tokens after a checkpoint restore: evaluated first, in the same batch
@@ -461,6 +465,85 @@ class LlamaCppBackend:
         self._lib.llama_set_embeddings(self.llm.ctx, sink is not None)
         self.final_sink = sink
 
+    # -- draft trees (tree.py) -----------------------------------------------------------------------
+
+    def tree_capacity(self) -> int:
+        """The most leaves a draft tree may have in one batch here: the context's sequences (n_seq_max,
+        one KV cache shared by all: compat.context_params). 0 where trees cannot be decoded: recurrent and
+        hybrid memories split a batch by sequence and refuse tokens that several sequences share."""
+        if self.memory.kind != "kv":
+            return 0
+        return int(self._lib.llama_n_seq_max(self.llm.ctx))
+
+    def eval_tree(self, root: int, tree) -> np.ndarray:
+        """Evaluate `root` (the context's last token, not yet cached) and every node of `tree` in one
+        decode; return len(tree) + 1 rows: the root's, then one after each node, each conditioned on the
+        node's own path. Leaf s's branch is sequence s (the prefix is copied to each first); a node
+        carries the ids of every leaf below it, at position prefix + depth. Until `keep_branch` the cache
+        holds the context and the root as far as `tokens` says; the rows are valid until the next eval."""
+        leaves = tree.leaf_sets()
+        n_leaves = max(1, len(tree.leaves()))
+        n = len(tree) + 1
+        if n_leaves > self.tree_capacity() or n > self.n_batch:
+            raise BackendError(f"a tree of {len(tree)} nodes and {n_leaves} leaves does not fit {self.name}'s "
+                               f"context ({self.tree_capacity()} sequences, batches of {self.n_batch})")
+        if len(self.tokens) + 1 + tree.depth() > self.n_ctx:
+            raise BackendError(f"context full: {len(self.tokens)} + {1 + tree.depth()} tokens > -c {self.n_ctx}")
+        if self._tree is not None:
+            self.keep_branch([])
+        if self._held != len(self.tokens):
+            redo = self._settle()
+            if redo:  # kept tokens after a checkpoint restore: evaluated on their own first
+                self.reevaluated += len(redo)
+                del self.tokens[self._held :]
+                self._eval(redo, [])
+        lib, mem = self._lib, self._mem
+        if self._tree_batch is None:
+            self._tree_batch = lib.llama_batch_init(self.n_batch, 0, self.tree_capacity())
+        b = self._tree_batch
+        p0 = len(self.tokens)
+        for s in range(1, n_leaves):
+            lib.llama_memory_seq_cp(mem, 0, s, -1, -1)
+        b.token[0], b.pos[0], b.logits[0], b.n_seq_id[0] = root, p0, 1, n_leaves
+        for s in range(n_leaves):
+            b.seq_id[0][s] = s
+        for i, (token, depth, seqs) in enumerate(zip(tree.tokens, tree.depths(), leaves), 1):
+            b.token[i], b.pos[i], b.logits[i], b.n_seq_id[i] = token, p0 + depth, 1, len(seqs)
+            for j, s in enumerate(seqs):
+                b.seq_id[i][j] = s
+        b.n_tokens = n
+        self.tokens.append(root)
+        self._held, self._last_batch = len(self.tokens), 0
+        self._tree = (p0, tree, n_leaves)
+        rc = lib.llama_decode(self.llm.ctx, b)
+        if rc != 0:
+            self._tree = None
+            for s in range(1, n_leaves):
+                lib.llama_memory_seq_rm(mem, s, -1, -1)
+            lib.llama_memory_seq_rm(mem, 0, p0, -1)
+            del self.tokens[p0:]
+            self._held = p0
+            raise BackendError(f"llama_decode failed with code {rc} on a draft tree ({self.name})")
+        self.evaluated += n
+        return self._rows_in_place(list(range(n)))
+
+    def keep_branch(self, path: Sequence[int]) -> None:
+        """After eval_tree: keep the root and the nodes of `path` (root to deepest, each a child of the one
+        before) as sequence 0, and drop every other branch."""
+        p0, tree, n_leaves = self._tree
+        self._tree = None
+        lib, mem = self._lib, self._mem
+        kept = p0 + 1 + len(path)
+        s = tree.leaf_sets()[path[-1]][0] if path else 0  # a branch through the path's last node
+        lib.llama_memory_seq_rm(mem, s, kept, -1)
+        if s != 0:
+            lib.llama_memory_seq_rm(mem, 0, -1, -1)
+            lib.llama_memory_seq_cp(mem, s, 0, -1, -1)
+        if n_leaves > 1:
+            lib.llama_memory_seq_keep(mem, 0)
+        self.tokens.extend(tree.tokens[i] for i in path)
+        self._held, self._last_batch = len(self.tokens), 0
+
     def capture_hidden(self, sink) -> None:
         """Hand every decode's final hidden rows (one per token, as llama.cpp's MTP graph reads them) to
         `sink(p0, rows)`; the rows are llama.cpp's buffer, valid until the next decode."""
@@ -528,6 +611,8 @@ class LlamaCppBackend:
 
     def truncate(self, n_keep: int) -> None:
         """Keep the first n_keep tokens. The memory is cut when it is next used (_settle)."""
+        if self._tree is not None:
+            self.keep_branch([])
         if n_keep < len(self.tokens):
             del self.tokens[n_keep:]
 
@@ -695,6 +780,9 @@ class LlamaCppBackend:
         if self._batch is not None:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
+        if getattr(self, "_tree_batch", None) is not None:
+            self._lib.llama_batch_free(self._tree_batch)
+            self._tree_batch = None
         self.llm.close()
 
 

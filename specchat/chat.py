@@ -140,6 +140,10 @@ class ChatSession:
         memory = self.loaded.memory_line()
         if memory:
             self.notice(memory)
+        from .tree_drafts import tree_note
+
+        if tree_note(self.loaded.target, self.run.draft_tree):
+            self.notice(tree_note(self.loaded.target, self.run.draft_tree))
         if not self.conversation.templated:
             self.notice(f"{target} has no chat template: using the plain 'User: … / Assistant: …' format, "
                         "stopped at the next 'User:'")

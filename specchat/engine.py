@@ -28,6 +28,7 @@ from .sampling import (
     verify_greedy,
 )
 from .stats import RunStats, StepStats
+from .tree import DraftTree, ends_at_leaf, path_history, verify_tree, verify_tree_greedy
 
 if TYPE_CHECKING:
     from .reasoning import Budget, PhaseSplitter, Split
@@ -150,9 +151,13 @@ def generate(
                     head.tokens, head.q = head.tokens + tail, head.q + [None] * len(tail)
                     draft = head
             drafts = draft.tokens
+            tree = None if budget is not None else tree_to_verify(target, draft)
             t1 = time.perf_counter()
-            forced = budget.lookahead(drafts) if budget is not None else None
-            verified = verify_step(target, reply.context, drafts, draft.q, params, rng, forced)
+            if tree is not None:  # a draft tree: verified in one batch
+                verified = verify_tree_step(target, reply.context, tree, params, rng)
+            else:
+                forced = budget.lookahead(drafts) if budget is not None else None
+                verified = verify_step(target, reply.context, drafts, draft.q, params, rng, forced)
             t2 = time.perf_counter()
             n_before = len(reply.generated)
             decided = verified.tokens(drafts)
@@ -169,6 +174,8 @@ def generate(
                     yield event
             emitted = reply.generated[n_before:]
             drafted = own  # forced tokens are the budget's, not a drafter's
+            if tree is not None:  # a tree's positions tried: its depth (its nodes: StepStats.nodes)
+                drafted = tree.depth()
             # a token that ended generation inside the step still counts as accepted, not as emitted
             step = StepStats(
                 step=stats.steps,
@@ -181,6 +188,7 @@ def generate(
                 planned=draft.planned,
                 rollback_seconds=verified.rollback_seconds,
                 source=draft.source if drafted else "",
+                nodes=len(tree) if tree is not None else 0,
             )
             stats.add(step)
             if not forcing:  # a forced step teaches the policy nothing about its drafters
@@ -245,6 +253,52 @@ def verify_step(target: Backend, context: list[int], drafts: list[int], q: Seque
     # the cache holds context[:-1] + [context[-1]] + drafts: keep through the accepted ones
     target.truncate(len(context) + accepted)
     return Verified(accepted, token, target.rollback_seconds - rollback_before)
+
+
+@dataclass(frozen=True)
+class TreeVerified(Verified):
+    """What one tree verify decided: the kept path's tokens, then the target's token (a bonus after a
+    leaf, else the correction where the walk stopped)."""
+
+    path_tokens: tuple[int, ...] = ()
+    bonus: bool = False
+
+    def tokens(self, drafts: Sequence[int]) -> list[tuple[int, Source]]:
+        kept: list[tuple[int, Source]] = [(t, "accepted") for t in self.path_tokens]
+        return kept + [(self.token, "bonus" if self.bonus else "resampled")]
+
+
+def tree_to_verify(target: Backend, draft: Draft) -> DraftTree | None:
+    """The draft's tree when it branches and the target can decode it in one batch; else None (the draft's
+    `tokens`, its main branch, go as a chain)."""
+    tree = getattr(draft, "tree", None)
+    if tree is None or len(tree) == 0 or tree.is_chain():
+        return None
+    capacity = getattr(target, "tree_capacity", None)
+    if capacity is None or len(tree.leaves()) > capacity():
+        return None
+    if getattr(target, "hidden_sink", None) is not None:  # a head reads the target's rows of the kept path
+        return None
+    return tree
+
+
+def verify_tree_step(target: Backend, context: list[int], tree: DraftTree, params: SamplingParams,
+                     rng: np.random.Generator) -> TreeVerified:
+    """Evaluate [context[-1]] + the tree's nodes in one target batch, walk the tree (tree.verify_tree),
+    and keep the context plus the accepted path in the target's cache."""
+    rows = target.eval_tree(context[-1], tree)
+    history = path_history(penalty_window(context, params), tree) if params.has_penalty else (lambda i: ())
+    path: list[int] = []
+    try:
+        if params.greedy:
+            p = lazy_rows(len(rows), lambda i: greedy_token(rows[i], params, history(i)))
+            path, token = verify_tree_greedy(p, tree)
+        else:
+            p = lazy_rows(len(rows), lambda i: process(rows[i], params, history(i)))
+            path, token = verify_tree(p, tree, rng)
+    finally:
+        target.keep_branch(path)
+    return TreeVerified(len(path), token, 0.0, tuple(tree.tokens[i] for i in path), ends_at_leaf(tree, path))
 
 
 class ForcedRows:

@@ -47,6 +47,7 @@ class LoadOptions:
     # --draft-max: a recurrent target keeps this many state snapshots (at most MAX_SNAPSHOTS) where its
     # architecture supports them, so a verify batch of up to that many drafts is cut back without a copy
     draft_max: int = MAX_SNAPSHOTS
+    draft_tree: int = 0  # --draft-tree: the target's context holds one sequence per leaf (n_seq_max)
     # --chat-template / --chat-template-file (None: models.toml's, else the GGUF's) and --chat-template-kwargs
     chat_template: ChatFormat | None = None
     chat_template_kwargs: dict | None = None
@@ -233,7 +234,7 @@ def load(
     target = LlamaCppBackend(
         target_path, n_ctx=opts.n_ctx, n_gpu_layers=opts.n_gpu_layers, n_threads=threads, name=target_spec.name,
         rpc=rpc, flash_attn=opts.flash_attn, snapshots=min(max(opts.draft_max, 0), MAX_SNAPSHOTS),
-        outputs=max(opts.draft_max, 0) + 1 if planned else 1, **target_options,
+        outputs=max(opts.draft_max, opts.draft_tree, 0) + 1 if planned else 1, **target_options,
     )
     target.chat_format = target_format(target, target_spec, opts)
     built: list[tuple[Drafter, str]] = []

@@ -144,6 +144,10 @@ DraftFixed = Annotated[
     int | None,
     typer.Option("--draft-fixed", min=0, help="Always draft exactly N tokens (disables the adaptive policy; for experiments).", rich_help_panel=SPEC),
 ]
+DraftTreeNodes = Annotated[
+    int,
+    typer.Option("--draft-tree", help="Most nodes a draft tree may have (0 = chains only): prompt lookup's chain is widened with the other continuations that followed the same text before, all verified in one target batch. With --draft-fixed K, a tree of at most N nodes, K deep, every step (for experiments).", rich_help_panel=SPEC),
+]
 CrossVocab = Annotated[
     str,
     typer.Option("--cross-vocab", help="Rule for a draft model with another tokenizer: slem (exact match of the re-tokenised text), tli (draft restricted to the shared vocabulary, min(1, p/q)), or auto (tli at temperature > 0 when the vocabularies share enough, else slem).", rich_help_panel=SPEC),
@@ -224,6 +228,7 @@ class RunArgs:
     draft_min: DraftMin = _LOAD.draft_min
     draft_p_min: DraftPMin = _LOAD.draft_p_min
     draft_fixed: DraftFixed = None
+    draft_tree: DraftTreeNodes = 0
     reproducible: Reproducible = False
     lookup_min: LookupMin = _LOAD.lookup_min
     lookup_max: LookupMax = _LOAD.lookup_max

@@ -19,6 +19,7 @@ from .loader import Loaded
 from .runner import RunOptions, check_text, loading, measuring, read_prompt, run_options
 from .reasoning import budget_for, prepare as prepare_reasoning, split_events
 from .template import has_template, render
+from .tree_drafts import tree_note
 
 
 @opt.run_args()
@@ -54,6 +55,8 @@ def prompt_command(
             prompt_ids, stops = rendered.token_ids, rendered.stop + run.stop
             reasoning = prepare_reasoning(loaded.target, rendered.text, run.reasoning)
         check_fits(prompt_ids, loaded.target.n_ctx)  # before the view starts
+        if tree_note(loaded.target, run.draft_tree):
+            err.print(tree_note(loaded.target, run.draft_tree))
         with measuring(err) as notify:
             policy = run.policy(loaded, notify=notify)
         events = split_events(generate(
@@ -109,6 +112,7 @@ def print_json(events, loaded: Loaded, run: RunOptions, note=lambda: None) -> Fi
         "target": loaded.target_spec.name,
         "drafter": loaded.drafter_label,
         "params": {**dataclasses.asdict(run.params), "draft_max": run.draft_max, "draft_fixed": run.draft_fixed,
+                   "draft_tree": run.draft_tree,
                    "reproducible": run.reproducible},
         "stats": finished.stats.as_dict(),
     }

@@ -19,6 +19,7 @@ from .crossvocab import check_rule
 from .errors import UserError
 from .kinds import DrafterKind
 from .loader import LoadOptions, Selection, load, make_policy, select
+from .tree_drafts import check_draft_tree, tree_policy
 from .options import MAX_THREADS, RunArgs
 from .reasoning import FORMATS, ReasoningOptions
 from .rpc import parse_endpoints
@@ -77,12 +78,14 @@ class RunOptions:
     ignore_eos: bool = False
     reproducible: bool = False  # --reproducible: draft lengths from the tokens only (see loader.make_policy)
     reasoning: ReasoningOptions = field(default_factory=ReasoningOptions)  # --reasoning-format / -budget
+    draft_tree: int = 0  # --draft-tree: most nodes of a draft tree (0 = chains only)
 
     def policy(self, loaded, *, notify=None, draft_max: int | None = None):
         """The draft-length policy for this run (make_policy with this run's flags)."""
         draft_max = self.draft_max if draft_max is None else draft_max
         fixed = None if self.draft_fixed is None else min(self.draft_fixed, draft_max)
-        return make_policy(loaded, draft_max, fixed, reproducible=self.reproducible, notify=notify)
+        policy = make_policy(loaded, draft_max, fixed, reproducible=self.reproducible, notify=notify)
+        return tree_policy(policy, self.draft_tree) if draft_max and loaded.drafter is not None else policy
 
     def for_target(self, target: Backend) -> SamplingParams:
         """The sampling parameters for this target: --ignore-eos bans its end-of-generation ids."""
@@ -123,6 +126,7 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
                         "(ggml's GGML_MAX_N_THREADS; more can crash llama.cpp)")
     if args.no_spec and args.draft_fixed is not None:
         raise UserError(f"--draft-fixed {args.draft_fixed} drafts, --no-spec does not: give one of them")
+    check_draft_tree(args.draft_tree, args.draft_fixed, args.no_spec)
     if args.no_spec and args.hybrid:
         raise UserError("--hybrid drafts, --no-spec does not: give one of them")
     stops = list(args.stop or [])
@@ -154,7 +158,7 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
         n_ctx=args.ctx_size, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngld, n_threads=args.threads,
         draft_p_min=args.draft_p_min, draft_min=args.draft_min, lookup_min=args.lookup_min,
         lookup_max=args.lookup_max, lookup_history=args.lookup_history, cross_vocab=cross_vocab,
-        rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn, draft_max=args.draft_max,
+        rpc=rpc_endpoints(args.rpc), flash_attn=flash_attn, draft_max=args.draft_max, draft_tree=args.draft_tree,
         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
     )
 
@@ -163,7 +167,8 @@ def run_options(config: Config, args: RunArgs) -> RunOptions:
     reasoning = ReasoningOptions(args.reasoning_format.strip().lower(), args.reasoning_budget,
                                  args.reasoning_budget_message)
     return RunOptions(selection, load_opts, params, args.draft_max, args.draft_fixed, args.max_tokens,
-                      stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible, reasoning=reasoning)
+                      stop=stops, ignore_eos=args.ignore_eos, reproducible=args.reproducible, reasoning=reasoning,
+                      draft_tree=args.draft_tree)
 
 
 def template_options(args: RunArgs):

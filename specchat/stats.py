@@ -32,6 +32,9 @@ class StepStats:
     # the target's checkpoint work for this step (a recurrent model without snapshots; see backend.py),
     # not part of verify_seconds: the policy learns it apart from what batches cost
     rollback_seconds: float = 0.0
+    # draft nodes the target verified (a tree's node count; 0: the `drafted` tokens of a chain). A tree
+    # step's `drafted` is its depth, `accepted` the length of the path it kept
+    nodes: int = 0
 
 
 @dataclass
@@ -56,6 +59,7 @@ class RunStats:
     draft_lengths: Counter = field(default_factory=Counter)  # drafted tokens per step -> steps
     drafted_by: Counter = field(default_factory=Counter)  # drafted tokens per source (StepStats.source)
     rollback_recoveries: int = 0  # cache cuts that failed and were repaired by re-evaluating (all models)
+    nodes: int = 0  # draft nodes verified (tree nodes; a chain's drafted tokens)
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
@@ -66,6 +70,7 @@ class RunStats:
         self.draft_seconds += s.draft_seconds
         self.verify_seconds += s.verify_seconds
         self.rollback_seconds += s.rollback_seconds
+        self.nodes += s.nodes or s.drafted
         while len(self.position_tries) < s.drafted:
             self.position_tries.append(0)
             self.position_hits.append(0)
@@ -92,7 +97,7 @@ class RunStats:
     def merge(self, other: RunStats) -> None:
         for name in ("steps", "drafted", "accepted", "emitted", "decided", "draft_seconds", "verify_seconds",
                      "rollback_seconds", "prefill_seconds", "generate_seconds", "prompt_tokens", "prompt_tokens_evaluated",
-                     "rollback_recoveries"):
+                     "rollback_recoveries", "nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i, (tries, hits) in enumerate(zip(other.position_tries, other.position_hits)):
             if i >= len(self.position_tries):
@@ -113,6 +118,11 @@ class RunStats:
         """tau: tokens decided per verify step, the target's own token included (plain decoding = 1.0).
         A final end-of-generation token counts: the step did produce it."""
         return self.decided / self.steps if self.steps else None
+
+    @property
+    def nodes_per_step(self) -> float | None:
+        """Draft nodes the target verified per step (a chain's: its drafted tokens)."""
+        return self.nodes / self.steps if self.steps else None
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -158,6 +168,9 @@ class RunStats:
             "tokens_per_second": self.tokens_per_second,
             "end_to_end_tokens_per_second": self.end_to_end_tokens_per_second,
             "rollback_recoveries": self.rollback_recoveries,
+            "nodes_verified": self.nodes,
+            "nodes_per_step": self.nodes_per_step,
+            "tokens_per_step": self.mean_accepted_length,
         }
         if counts:
             out["position_tries"], out["position_hits"] = list(self.position_tries), list(self.position_hits)
@@ -178,4 +191,5 @@ class RunStats:
             drafted_by=Counter(d.get("drafted_by", {})),
             rollback_recoveries=d.get("rollback_recoveries", 0),
             rollback_seconds=d.get("rollback_seconds", 0.0),
+            nodes=d.get("nodes_verified", d["drafted"]),
         )

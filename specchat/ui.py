@@ -228,6 +228,8 @@ def breakdown(stats: RunStats) -> Text:
         out.append(_bar(steps, most) + "\n", style="spec.bonus")
     drafted = ", ".join(f"{k}: {v}" for k, v in sorted(stats.draft_lengths.items()))
     out.append(f"draft lengths (k: steps)  {drafted or '-'}\n")
+    if stats.steps:
+        out.append(f"per step  {stats.nodes_per_step:.2f} draft nodes verified · {stats.mean_accepted_length:.2f} tokens\n")
     if stats.drafted_by:
         out.append("drafted tokens by source  ")
         for i, (source, n) in enumerate(sorted(stats.drafted_by.items())):

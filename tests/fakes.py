@@ -122,6 +122,9 @@ class FakeBackend:
         self.bos_text = self.eos_text = ""
         self.closed = False
         self._fail_in: int | None = None  # see fail_after
+        self.tree_calls: list[tuple[int, list[int], list[int]]] = []  # (root, tokens, parents) per eval_tree
+        self.kept_branches: list[list[int]] = []  # the tokens each keep_branch kept
+        self._open_tree = None
         self._cuts_to_fail = 0  # see fail_cuts
 
     def fail_after(self, n_evals: int, message: str = "llama_decode returned -1") -> None:
@@ -171,6 +174,7 @@ class FakeBackend:
             bad = next(t for t in tokens if not 0 <= t < self.n_vocab)
             raise BackendError(f"token {bad} out of range for vocabulary of {self.n_vocab}")
         assert all(0 <= i < len(tokens) for i in logits_at), (logits_at, tokens)
+        assert self._open_tree is None, "eval with a draft tree open (keep_branch first)"
         self.calls.append((tokens, logits_at))
         self._take_back_lent_rows()
         self._settle()
@@ -187,6 +191,47 @@ class FakeBackend:
             # numpy copy it before an argmax); a caller must still never write one: see _take_back_lent_rows
             self._lent, self._lent_bytes = rows, rows.tobytes()
         return rows
+
+    # -- draft trees: as LlamaCppBackend.eval_tree / keep_branch ------------------------------------------
+
+    tree_sequences = 64  # what tree_capacity answers for an attention cache (n_seq_max)
+
+    def tree_capacity(self) -> int:
+        return self.tree_sequences if self.memory.kind == "kv" else 0
+
+    def eval_tree(self, root: int, tree) -> np.ndarray:
+        """Rows after the root and after each node, each from the context plus the node's own path; the
+        cache then holds the context and the root until keep_branch adds the kept path."""
+        n_leaves = max(1, len(tree.leaves()))
+        assert n_leaves <= self.tree_capacity(), (n_leaves, self.tree_capacity())
+        if self._fail_in is not None:
+            if self._fail_in == 0:
+                self._fail_in = None
+                raise BackendError(self._fail_message)
+            self._fail_in -= 1
+        if len(self.tokens) + 1 + tree.depth() > self.n_ctx:
+            raise BackendError(f"context full: {len(self.tokens)} + {1 + tree.depth()} tokens > -c {self.n_ctx}")
+        self.tree_calls.append((int(root), list(tree.tokens), list(tree.parents)))
+        self._take_back_lent_rows()
+        self._settle()
+        self.tokens.append(int(root))
+        self.held.append(int(root))
+        self.evaluated += len(tree) + 1
+        base = tuple(self.held)
+        rows = np.array([self._row(base)] + [self._row(base + tuple(tree.path_tokens(i))) for i in range(len(tree))],
+                        dtype=np.float32)
+        self._open_tree = tree
+        self._lent, self._lent_bytes = rows, rows.tobytes()
+        return rows
+
+    def keep_branch(self, path) -> None:
+        tree, self._open_tree = self._open_tree, None
+        assert tree is not None, "keep_branch without eval_tree"
+        assert all(tree.parents[b] == a for a, b in zip([-1, *path], path)), path
+        kept = [tree.tokens[i] for i in path]
+        self.kept_branches.append(kept)
+        self.tokens.extend(kept)
+        self.held.extend(kept)
 
     def _take_back_lent_rows(self) -> None:
         """Rows lent in place are llama.cpp's buffer in the real backend, valid until the next eval and
@@ -206,6 +251,8 @@ class FakeBackend:
 
     def truncate(self, n_keep: int) -> None:
         assert n_keep >= 0, n_keep
+        if self._open_tree is not None:  # as LlamaCppBackend: a tree left open keeps only its root
+            self.keep_branch([])
         self.truncations.append(n_keep)
         self.removed.append(max(0, len(self.tokens) - n_keep))
         if n_keep < len(self.tokens):

@@ -22,6 +22,7 @@ from ..policy import FixedPolicy, Policy
 from ..reasoning import budget_for, prepare as prepare_reasoning
 from ..stats import RunStats
 from ..template import has_template, render, render_text
+from ..tree_drafts import tree_policy
 from ..ui import phases_line
 from .prompts import ALL, BASELINE, POLICY, PromptItem, Setting, load_prompts, parse_sweep, select_prompts
 from .render import (TERMINAL_POSITIONS, build_doc, check_out_dir, number_text, rich_tables, speedup_text, table_specs,
@@ -133,9 +134,9 @@ def report_command(
 
         def policy_for(setting: Setting) -> Policy:
             if setting.k is None:
-                return make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
-                                   notify=runner.measuring_notice(err))
-            return FixedPolicy(setting.k)
+                return tree_policy(make_policy(loaded, run.draft_max, None, reproducible=run.reproducible,
+                                               notify=runner.measuring_notice(err)), run.draft_tree)
+            return tree_policy(FixedPolicy(setting.k), run.draft_tree)  # (--draft-tree: trees in every setting)
 
         total = sum(len(i.turns) for i in items) * len(settings)
         progress = Progress(
