@@ -190,10 +190,9 @@ def describe_file(path: Path) -> str:
     except MedusaFileError as e:
         return str(e)
     n_embd = tensors["0.0.linear.weight"].shape[1]
-    projection = "its own projection per head" if own else "the target's output matrix"
-    ids = tensors.get(SHORTLIST_KEY)
-    listed = f", {len(ids)}-token shortlist" if ids is not None else ""
-    return f"Medusa: {n_heads} heads x {n_blocks} block{'s' * (n_blocks > 1)}, hidden {n_embd}, {projection}{listed}"
+    blocks = f" x {n_blocks} blocks" if n_blocks > 1 else ""
+    projection = " · own projections" if own else ""  # (else the target's output matrix, shared)
+    return f"Medusa · {n_heads} heads{blocks} · hidden {n_embd}{projection}"
 
 
 # -- the drafter ----------------------------------------------------------------------------------------

@@ -80,13 +80,23 @@ def _layers(rpc: tuple[str, ...]) -> str:
     return f"RPC {', '.join(rpc)}" if rpc else "this machine"
 
 
+def _file_kind(config: Config, ref: str):
+    """The kind of a drafter file that is not a GGUF model (Medusa heads: they draft the target's tokens), or None."""
+    try:
+        spec = config.model(ref)
+    except ConfigError:
+        return None
+    return kinds.for_suffix(spec.file or spec.ref)
+
+
 def _compatibility(config: Config, pair, vocabs: dict) -> str:
     """llama.cpp's rule when both files are here (reads vocabularies only, no weights): the same
     vocabulary, or different tokenizers (drafted across vocabularies) and how much of the draft's the
     target shares (the map is cached, see crossvocab.py)."""
-    model = next((d for d in pair.drafts if kinds.by_word(d) is None), None)
-    if model is None:  # drafters without a file of their own draft the target's tokens
-        return "the target's own (" + ", ".join(kinds.by_word(d).label for d in pair.drafts) + " drafts in it)"
+    own = {d: kinds.by_word(d) or _file_kind(config, d) for d in pair.drafts}  # drafters that are not models
+    model = next((d for d in pair.drafts if own[d] is None), None)
+    if model is None:  # drafters without a model of their own draft the target's tokens
+        return "the target's own (" + ", ".join(own[d].label for d in pair.drafts) + " drafts in it)"
     try:
         specs = [config.model(pair.target), config.model(model)]
         if not all(is_present(s) for s in specs):

@@ -145,7 +145,8 @@ def test_published_layouts_load(tmp_path):
     heads = load_heads(listed, n_embd=V, n_vocab=V, output=lambda ids: output[ids])
     row = heads.rows(np.eye(V, dtype=np.float32)[0])[0]
     assert np.isneginf(row[[0, 2]]).all() and row[3] == output[3, 0] and row[1] == output[1, 0]
-    assert describe_file(listed) == "Medusa: 2 heads x 1 block, hidden 4, the target's output matrix, 2-token shortlist"
+    assert describe_file(listed) == "Medusa · 2 heads · hidden 4"
+    assert describe_file(write_heads(tmp_path / "own.safetensors", blocks=2)) == "Medusa · 2 heads x 2 blocks · hidden 4 · own projections"
 
 
 def test_a_real_sized_head_file_loads_and_drafts(tmp_path):
