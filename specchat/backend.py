@@ -470,8 +470,9 @@ class LlamaCppBackend:
     def tree_capacity(self) -> int:
         """The most leaves a draft tree may have in one batch here: the context's sequences (n_seq_max,
         one KV cache shared by all: compat.context_params). 0 where trees cannot be decoded: recurrent and
-        hybrid memories split a batch by sequence and refuse tokens that several sequences share."""
-        if self.memory.kind != "kv":
+        hybrid memories split a batch by sequence and refuse tokens that several sequences share, and while a
+        head reads this model's rows by position (a tree's branches share positions)."""
+        if self.memory.kind != "kv" or self.hidden_sink is not None or self.final_sink is not None:
             return 0
         return int(self._lib.llama_n_seq_max(self.llm.ctx))
 

@@ -220,8 +220,9 @@ class MedusaDrafter(ModelDrafting, Suspendable):
         self._cost = CostModel([1], [self._time_heads()], measured=True)
 
     def _keep(self, positions: Sequence[int], rows: np.ndarray) -> None:
-        # only the last decode's rows are ever read (the row before the context's last token is in it)
-        self._rows = {p: rows[i].copy() for i, p in enumerate(positions)}
+        # only the last decode's rows are ever read (the row before the context's last token is in it); the
+        # backend hands over a new array each decode
+        self._rows = dict(zip(positions, rows))
 
     def suspend(self, suspended: bool) -> None:
         if suspended == self.suspended:
